@@ -1,0 +1,214 @@
+"""The run configuration (SPEC §3.1a), validated once at the edge into frozen models.
+
+Everything past `load_config` trusts these objects. Validation errors name the key and the
+offending value, e.g. ``streams.code.weight: must be > 0, got -1``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Format = Literal["jsonl", "parquet", "text", "mds"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key and the value."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TokenizerConfig(_Frozen):
+    """Which tokenizer, and the explicit BOS/EOS policy.
+
+    `name` is 'default' (the offline cl100k_base tokenizer), a Hugging Face hub name, a local
+    directory, or a `tokenizer.json` file. Pretrain documents get EOS appended and no BOS by
+    default; ids left as None come from the tokenizer itself.
+    """
+
+    name: str = "default"
+    add_bos: bool = False
+    add_eos: bool = True
+    bos_id: int | None = Field(default=None, ge=0)
+    eos_id: int | None = Field(default=None, ge=0)
+    pad_id: int | None = Field(default=None, ge=0)
+    chat_template: str | None = None
+
+
+class PackingConfig(_Frozen):
+    """`concat` cuts a token stream into rows; `bfd` keeps documents whole (best fit, decreasing)."""
+
+    mode: Literal["concat", "bfd"] = "bfd"
+    buffer: int = Field(default=512, ge=1, le=1_000_000)
+    overflow: Literal["split", "truncate", "drop"] = "split"
+
+
+class ShuffleConfig(_Frozen):
+    """Seeded file order per epoch, plus a permutation inside consecutive windows of documents."""
+
+    files: bool = True
+    window: int = Field(default=1024, ge=1, le=10_000_000)
+
+
+class ReadConfig(_Frozen):
+    """How reading is cut into Ray Data tasks (see docs/architecture.md)."""
+
+    block_bytes: int = Field(default=8 << 20, ge=1 << 10)
+    first_block_bytes: int = Field(default=1 << 20, ge=1 << 10)
+    max_in_flight: int = Field(default=0, ge=0)  # 0: 2 x the cluster's CPUs
+
+
+class StreamConfig(_Frozen):
+    kind: Literal["pretrain", "chat"] = "pretrain"
+    paths: list[str]
+    format: Format | None = None
+    text_field: str = "text"
+    messages_field: str = "messages"
+    weight: float = 1.0
+    repeat: int = Field(default=1, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("paths")
+    @classmethod
+    def _non_empty_paths(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("must list at least one path")
+        if any(not p.strip() for p in v):
+            raise ValueError(f"contains an empty path: {v!r}")
+        return v
+
+    @field_validator("weight")
+    @classmethod
+    def _positive_weight(cls, v: float) -> float:
+        if not math.isfinite(v) or v <= 0:
+            raise ValueError(f"must be a finite number > 0, got {v}")
+        return v
+
+
+class MixingConfig(_Frozen):
+    """What happens when a stream runs dry: end the run, or renormalize the other weights."""
+
+    on_exhausted: Literal["stop", "renormalize"] = "stop"
+
+
+class ScheduleEntry(_Frozen):
+    """Weights that take effect at global step `step` (a curriculum, or a recorded change)."""
+
+    step: int = Field(ge=0)
+    weights: dict[str, float]
+
+
+class ServiceConfig(_Frozen):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class Config(_Frozen):
+    seed: int = 0
+    seq_len: Annotated[int, Field(ge=8, le=1 << 20)] = 1024
+    global_batch_size: Annotated[int, Field(ge=1)] = 16
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    packing: PackingConfig = PackingConfig()
+    shuffle: ShuffleConfig = ShuffleConfig()
+    read: ReadConfig = ReadConfig()
+    on_error: Literal["skip", "fail"] = "skip"
+    drop_last: bool = False
+    streams: dict[str, StreamConfig]
+    mixing: MixingConfig = MixingConfig()
+    schedule: list[ScheduleEntry] = []
+    service: ServiceConfig = ServiceConfig()
+
+    @field_validator("streams")
+    @classmethod
+    def _some_streams(cls, v: dict[str, StreamConfig]) -> dict[str, StreamConfig]:
+        if not v:
+            raise ValueError("must name at least one stream")
+        for name in v:
+            if not name or not all(c.isalnum() or c in "-_." for c in name):
+                raise ValueError(f"stream name {name!r} must be non-empty [A-Za-z0-9._-]")
+        return v
+
+    @model_validator(mode="after")
+    def _schedule_names_streams(self) -> Config:
+        from pipeline.mixing import normalize_weights
+
+        last = -1
+        for i, entry in enumerate(self.schedule):
+            try:
+                normalize_weights(entry.weights, list(self.streams))
+            except ValueError as e:
+                raise ValueError(f"schedule.{i}.weights: {e}") from None
+            if entry.step < last:
+                raise ValueError(
+                    f"schedule.{i}.step: steps must not decrease, got {entry.step} after {last}"
+                )
+            last = entry.step
+        return self
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Normalized target token shares."""
+        total = sum(s.weight for s in self.streams.values())
+        return {name: s.weight / total for name, s in self.streams.items()}
+
+    def config_hash(self) -> str:
+        """A stable hash of everything that shapes the batch sequence (not `service`)."""
+        data = self.model_dump(mode="json", exclude={"service"})
+        blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        value = e.get("input")
+        shown = "" if isinstance(value, dict | list) else f", got {value!r}"
+        lines.append(f"{key}: {msg}{shown}")
+    return "; ".join(lines)
+
+
+def parse_config(data: Any, base_dir: str | Path | None = None) -> Config:
+    """Validate a mapping into a Config and resolve every stream's paths (which must match)."""
+    from pipeline.sources import resolve_stream_files  # local: sources imports this module
+
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+    base = Path(base_dir) if base_dir is not None else Path.cwd()
+    streams = {}
+    for name, s in cfg.streams.items():
+        try:
+            files, fmt = resolve_stream_files(s, base)
+        except ValueError as e:
+            raise ConfigError(f"streams.{name}.paths: {e}") from None
+        # Freeze the resolution into the config so every process sees the same file list.
+        streams[name] = s.model_copy(update={"paths": files, "format": fmt})
+    return cfg.model_copy(update={"streams": streams})
+
+
+def load_config(path: str | Path) -> Config:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return parse_config(data, base_dir=path.parent)

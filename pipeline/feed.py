@@ -1,0 +1,194 @@
+"""The feed: one deterministic global row sequence, cut into global steps of G rows.
+
+    per-stream documents (Ray Data read+tokenize, windowed shuffle)
+        -> deficit mixer + packer (concat | bfd)
+        -> global step s = G rows, an Arrow record batch
+        -> rank r of W gets rows [r*G/W, (r+1)*G/W) of step s
+
+The global sequence never depends on the world size; only the slicing does. `FeedActor`
+hosts a Feed in a Ray actor (no CPU reserved: the expensive work runs in Ray Data tasks).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.config import Config
+from pipeline.documents import Reject, StreamDocs
+from pipeline.mixing import DeficitMixer
+from pipeline.packing import make_packer
+from pipeline.schema import build_batch, with_metadata
+from pipeline.tokenization import load_tokenizer
+
+
+def default_executor(local: bool):
+    from pipeline.reading import iter_blocks_local, iter_blocks_ray
+
+    return iter_blocks_local if local else iter_blocks_ray
+
+
+class Feed:
+    def __init__(
+        self,
+        cfg: Config,
+        local: bool = False,
+        on_reject: Callable[[Reject], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.names = list(cfg.streams)
+        self.rejects: list[Reject] = []
+        executor = default_executor(local)
+        sink = on_reject or self.rejects.append
+        self.streams = [StreamDocs(n, i, cfg, executor, sink) for i, n in enumerate(self.names)]
+        self.mixer = DeficitMixer(self.names, {n: s.weight for n, s in cfg.streams.items()})
+        for entry in cfg.schedule:
+            self.mixer.schedule(entry.step, entry.weights, source="schedule")
+        self.packer = make_packer(
+            cfg.packing.mode,
+            cfg.seq_len,
+            cfg.packing.overflow,
+            [iter(s) for s in self.streams],
+            self.mixer,
+            cfg.mixing.on_exhausted,
+            cfg.packing.buffer,
+        )
+        self.pad_id = load_tokenizer(cfg.tokenizer).pad_id
+        self.config_hash = cfg.config_hash()
+        self.step = 0
+        self.rows = 0
+        self.real_tokens = 0
+        self.docs_emitted = np.zeros(len(self.names), dtype=np.int64)
+        self.started = time.monotonic()
+        self.first_step_at: float | None = None
+        self.first_step_tokens = 0
+        self.finished = False
+
+    def next_step(self) -> pa.RecordBatch | None:
+        """The next global step (G rows; the last may be short), or None when the data ends."""
+        if self.finished:
+            return None
+        G = self.cfg.global_batch_size
+        self.mixer.begin_step(self.step)
+        rows = []
+        while len(rows) < G:
+            row = self.packer.next_row()
+            if row is None:
+                break
+            rows.append(row)
+        if len(rows) < G:
+            self.finished = True
+            if not rows or self.cfg.drop_last:
+                return None
+        batch = build_batch(rows, self.cfg.seq_len, self.pad_id, self.names)
+        for row in rows:
+            for seg in row:
+                self.real_tokens += seg.length
+                if seg.offset == 0:
+                    self.docs_emitted[seg.doc.stream] += 1
+        self.rows += len(rows)
+        batch = with_metadata(
+            batch,
+            global_step=self.step,
+            seq_len=self.cfg.seq_len,
+            config_hash=self.config_hash,
+        )
+        self.step += 1
+        if self.first_step_at is None:
+            self.first_step_at = time.monotonic()
+            self.first_step_tokens = self.real_tokens
+        return batch
+
+    def summary(self) -> dict:
+        now = time.monotonic()
+        L = self.cfg.seq_len
+        target = self.mixer.scheduled_weights(max(self.step - 1, 0))
+        realized = self.mixer.realized()
+        steady_s = (now - self.first_step_at) if self.first_step_at else 0.0
+        steady_tokens = self.real_tokens - self.first_step_tokens
+        streams = {}
+        for i, (name, s) in enumerate(zip(self.names, self.streams, strict=True)):
+            c, p = s.counters, self.packer.counters[i]
+            streams[name] = {
+                "tokens": int(self.mixer.placed[i]),
+                "docs": int(self.docs_emitted[i]),
+                "docs_read": c.docs,
+                "tokens_read": c.tokens,
+                "skipped": c.skipped,
+                "split": p.split,
+                "truncated": p.truncated,
+                "dropped": p.dropped,
+                "truncated_tokens": p.truncated_tokens,
+                "dropped_tokens": p.dropped_tokens,
+                "target_share": float(target[i]),
+                "realized_share": realized[self.names[i]],
+                "epochs_started": c.epochs_started,
+            }
+        return {
+            "steps": self.step,
+            "rows": self.rows,
+            "seq_len": L,
+            "global_batch_size": self.cfg.global_batch_size,
+            "real_tokens": self.real_tokens,
+            "packing_efficiency": self.real_tokens / (self.rows * L) if self.rows else 0.0,
+            "streams": streams,
+            "skipped": {
+                n: s.counters.skipped for n, s in zip(self.names, self.streams, strict=True)
+            },
+            "mixture_history": [c.as_dict() for c in self.mixer.history],
+            "exhausted": list(self.packer.exhausted_log),
+            "elapsed_s": now - self.started,
+            "time_to_first_step_s": (self.first_step_at - self.started)
+            if self.first_step_at
+            else None,
+            "tokens_per_s": steady_tokens / steady_s if steady_s > 0 else 0.0,
+            "config_hash": self.config_hash,
+        }
+
+
+def rank_slice(
+    batch: pa.RecordBatch, rank: int, world_size: int, global_batch_size: int
+) -> pa.RecordBatch:
+    """Rank `rank`'s rows of a global step; world-size independent global order."""
+    if global_batch_size % world_size:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not divisible by world size {world_size}"
+        )
+    per_rank = global_batch_size // world_size
+    start = min(rank * per_rank, batch.num_rows)
+    part = batch.slice(start, max(0, min(per_rank, batch.num_rows - start)))
+    meta = dict(batch.schema.metadata or {})
+    meta.update({b"rank": str(rank).encode(), b"world_size": str(world_size).encode()})
+    return part.replace_schema_metadata(meta)
+
+
+class FeedActor:
+    """A Feed inside a Ray actor. Steps are returned in groups to amortize the call cost."""
+
+    def __init__(self, cfg_json: dict):
+        from pipeline.config import Config
+
+        self.feed = Feed(Config.model_validate(cfg_json))
+
+    def ready(self) -> bool:
+        return True
+
+    def next_steps(self, n: int) -> list[pa.RecordBatch]:
+        out = []
+        for _ in range(n):
+            batch = self.feed.next_step()
+            if batch is None:
+                break
+            out.append(batch)
+        return out
+
+    def drain_rejects(self) -> list[dict]:
+        out = [r.as_dict() for r in self.feed.rejects]
+        self.feed.rejects.clear()
+        return out
+
+    def summary(self) -> dict:
+        return self.feed.summary()

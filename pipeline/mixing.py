@@ -1,0 +1,131 @@
+"""Token-weighted mixing by deficit scheduling.
+
+Every stream has a target share w_s of *tokens* (not samples). Each time n tokens of any
+stream are placed into a row, every stream's target grows by w_s * n and the placing stream's
+count grows by n. The next segment comes from the stream with the largest deficit
+(target - placed), ties going to the stream listed first. No random draws: the schedule is a
+pure function of the config, and the realized share of any stream at any prefix is within one
+segment (at most one row, `seq_len` tokens) of its target. Sample-based mixers (Mosaic, Grain,
+LitData) drift whenever documents of the streams differ in length; this one cannot.
+
+Weights can change at a stated global step (a config `schedule:` or `set_weights` at run
+time), never retroactively. Every change is kept in `history`, which is part of the resumable
+state, so a resumed run replays the same schedule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def normalize_weights(weights: Mapping[str, float], names: list[str]) -> np.ndarray:
+    """Validate and normalize; streams not named get weight 0. Raises ValueError with the key."""
+    unknown = sorted(set(weights) - set(names))
+    if unknown:
+        raise ValueError(f"unknown stream {unknown[0]!r}; streams are {names}")
+    w = np.zeros(len(names), dtype=np.float64)
+    for i, name in enumerate(names):
+        v = weights.get(name, 0.0)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"weight of {name!r} must be a number, got {v!r}")
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"weight of {name!r} must be finite and >= 0, got {v}")
+        w[i] = float(v)
+    if w.sum() <= 0:
+        raise ValueError("weights must not all be zero")
+    return w / w.sum()
+
+
+@dataclass(frozen=True)
+class WeightChange:
+    step: int
+    weights: dict[str, float]
+    source: str  # "config", "schedule", "api", "exhausted"
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "weights": self.weights, "source": self.source}
+
+
+class DeficitMixer:
+    """Chooses which stream supplies the next segment; tracks targets and realized tokens."""
+
+    def __init__(self, names: list[str], weights: Mapping[str, float]):
+        self.names = list(names)
+        self.history: list[WeightChange] = []
+        self._add(0, weights, "config")
+        self.target = np.zeros(len(names), dtype=np.float64)
+        self.placed = np.zeros(len(names), dtype=np.int64)
+        self.alive = np.ones(len(names), dtype=bool)
+        self._step = 0
+        self._w = self._weights_for(0)
+
+    def _add(self, step: int, weights: Mapping[str, float], source: str) -> int:
+        normalize_weights(weights, self.names)  # validates
+        change = WeightChange(step, {k: float(v) for k, v in weights.items()}, source)
+        if self.history and step < self.history[-1].step:
+            raise ValueError(
+                f"weight change at step {step} is before the last one ({self.history[-1].step})"
+            )
+        self.history.append(change)
+        return step
+
+    def schedule(self, step: int, weights: Mapping[str, float], source: str = "api") -> int:
+        """Record new weights effective from global `step` (>= the current step)."""
+        if step < self._step:
+            raise ValueError(f"effective step {step} is in the past (current step {self._step})")
+        self._add(step, weights, source)
+        if step <= self._step:
+            self._w = self._weights_for(self._step)
+        return step
+
+    def scheduled_weights(self, step: int) -> np.ndarray:
+        """The normalized weights in effect at `step`, before exhausted streams are removed."""
+        current = None
+        for change in self.history:
+            if change.step <= step:
+                current = change
+        return normalize_weights(current.weights, self.names)
+
+    def _weights_for(self, step: int) -> np.ndarray:
+        w = self.scheduled_weights(step) * self.alive
+        if w.sum() <= 0:
+            return w
+        return w / w.sum()
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        self._w = self._weights_for(step)
+
+    @property
+    def weights(self) -> np.ndarray:
+        return self._w
+
+    def retire(self, stream: int) -> None:
+        """A stream is exhausted: renormalize the others from the current step on."""
+        self.alive[stream] = False
+        self._w = self._weights_for(self._step)
+
+    def pick(self, candidates: Iterable[int]) -> int | None:
+        """The candidate furthest behind its target; None when no candidate has weight > 0."""
+        best, best_deficit = None, -math.inf
+        deficit = self.target - self.placed
+        for s in candidates:
+            if self._w[s] <= 0:
+                continue
+            if deficit[s] > best_deficit:
+                best, best_deficit = s, deficit[s]
+        return best
+
+    def place(self, stream: int, n: int) -> None:
+        self.placed[stream] += n
+        self.target += self._w * n
+
+    def realized(self) -> dict[str, float]:
+        total = self.placed.sum()
+        return {
+            n: (float(self.placed[i] / total) if total else 0.0) for i, n in enumerate(self.names)
+        }

@@ -1,0 +1,217 @@
+"""Read + tokenize, fused into one Ray Data task per *unit* (a group of consecutive pieces).
+
+Why fused and grouped: on a small machine Ray's per-task overhead dominates when tasks are
+small (DEVELOPERS.md measured 23% of the tokenizer limit with 64 small blocks, 63% with 8 large
+ones). A unit therefore covers ``read.block_bytes`` of input (default 8 MiB), except the first
+few units of an epoch, which ramp up from ``read.first_block_bytes`` so the first batch comes
+quickly. The task body lives in this importable module so that each Ray worker process keeps
+its tokenizer in `tokenization._CACHE` across tasks.
+
+Output block schema (one row per record, in record order):
+    doc_id  uint64          (file_index << 32) | record_index
+    tokens  list<int32>     BOS/EOS applied; empty for a bad record
+    loss    list<int8>      per-token loss mask (chat streams only; null for pretrain)
+    error   string          null for a good record, else the reason it is bad
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.config import StreamConfig, TokenizerConfig
+from pipeline.sources import WHOLE_FILE, Piece, read_piece
+from pipeline.tokenization import LoadedTokenizer, load_tokenizer
+
+BLOCK_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.uint64()),
+        ("tokens", pa.large_list(pa.int32())),
+        ("loss", pa.large_list(pa.int8())),
+        ("error", pa.string()),
+    ]
+)
+_ENCODE_BATCH_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Unit:
+    """The pieces one read task handles, in order. `index` is its position in the epoch."""
+
+    index: int
+    pieces: tuple[Piece, ...]
+
+    def to_json(self) -> str:
+        return json.dumps({"index": self.index, "pieces": [p.to_json() for p in self.pieces]})
+
+    @staticmethod
+    def from_json(s: str) -> Unit:
+        d = json.loads(s)
+        return Unit(d["index"], tuple(Piece(**p) for p in d["pieces"]))
+
+
+def group_units(pieces: Iterable[Piece], block_bytes: int, first_block_bytes: int) -> list[Unit]:
+    """Group consecutive pieces into units of about `block_bytes`, ramping up from the first."""
+    units, current, size = [], [], 0
+    target = min(first_block_bytes, block_bytes)
+    for p in pieces:
+        current.append(p)
+        size += max(p.nbytes, 1)
+        if size >= target:
+            units.append(Unit(len(units), tuple(current)))
+            current, size = [], 0
+            target = min(target * 2, block_bytes)
+    if current:
+        units.append(Unit(len(units), tuple(current)))
+    return units
+
+
+def _validate_text(value) -> tuple[str | None, str | None]:
+    if value is None:
+        return None, "field is null"
+    if isinstance(value, bytes | bytearray):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            return None, f"invalid UTF-8 at byte {e.start}"
+    if not isinstance(value, str):
+        return None, f"field has type {type(value).__name__}, expected a string"
+    if not value.strip():
+        return None, "empty document"
+    return value, None
+
+
+def _pretrain_docs(unit: Unit, field: str):
+    """Yield (doc_id, text | None, error | None) for every record of the unit."""
+    for piece in unit.pieces:
+        base = piece.file_index << 32
+        for rec, value, err in read_piece(piece, field):
+            if err is None:
+                value, err = _validate_text(value)
+            yield base | rec, value, err
+
+
+def _with_specials(
+    flat: np.ndarray, offsets: np.ndarray, bos: int | None, eos: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Insert BOS before and/or EOS after every document, vectorized."""
+    extra = (bos is not None) + (eos is not None)
+    if not extra:
+        return flat, offsets
+    n = len(offsets) - 1
+    lens = np.diff(offsets)
+    new_offsets = offsets + np.arange(n + 1, dtype=np.int64) * extra
+    out = np.empty(len(flat) + n * extra, dtype=np.int32)
+    shift = np.repeat(np.arange(n, dtype=np.int64) * extra + (bos is not None), lens)
+    out[np.arange(len(flat), dtype=np.int64) + shift] = flat
+    if bos is not None:
+        out[new_offsets[:-1]] = bos
+    if eos is not None:
+        out[new_offsets[1:] - 1] = eos
+    return out, new_offsets
+
+
+def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.Table:
+    """Read and tokenize one unit into a block (see module docstring)."""
+    ids: list[int] = []
+    errors: list[str | None] = []
+    texts: list[str] = []
+    text_rows: list[int] = []
+    for doc_id, text, err in _pretrain_docs(unit, stream.text_field):
+        if err is None:
+            text_rows.append(len(ids))
+            texts.append(text)
+        ids.append(doc_id)
+        errors.append(err)
+    bos = tok.bos_id if tok.add_bos else None
+    eos = tok.eos_id if tok.add_eos else None
+    flats, lens = [], np.zeros(len(ids), dtype=np.int64)
+    start = 0
+    while start < len(texts):
+        stop, nbytes = start, 0
+        while stop < len(texts) and (stop == start or nbytes < _ENCODE_BATCH_BYTES):
+            nbytes += len(texts[stop])
+            stop += 1
+        flat, offsets = tok.encode(texts[start:stop])
+        flat, offsets = _with_specials(flat, offsets, bos, eos)
+        flats.append(flat)
+        lens[np.asarray(text_rows[start:stop], dtype=np.int64)] = np.diff(offsets)
+        start = stop
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    values = np.concatenate(flats) if flats else np.zeros(0, dtype=np.int32)
+    tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return pa.table(
+        {
+            "doc_id": pa.array(np.asarray(ids, dtype=np.uint64)),
+            "tokens": tokens,
+            "loss": pa.nulls(len(ids), pa.large_list(pa.int8())),
+            "error": pa.array(errors, pa.string()),
+        },
+        schema=BLOCK_SCHEMA,
+    )
+
+
+def read_tokenize_batch(batch: pa.Table, *, stream: dict, tokenizer: dict) -> pa.Table:
+    """Ray Data `map_batches` body: one row per unit (JSON), one block per unit out."""
+    # One tokenizer thread per Ray worker: Ray already runs one worker per core.
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    stream_cfg = StreamConfig.model_validate(stream)
+    tok = load_tokenizer(TokenizerConfig.model_validate(tokenizer))
+    tables = [
+        tokenize_unit(Unit.from_json(s), stream_cfg, tok) for s in batch.column("unit").to_pylist()
+    ]
+    return pa.concat_tables(tables) if len(tables) != 1 else tables[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Executors: the same units through Ray Data (the real path) or in-process (check, tests).
+
+
+def iter_blocks_local(
+    units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig
+) -> Iterator[pa.Table]:
+    tok = load_tokenizer(tok_cfg)
+    for unit in units:
+        yield tokenize_unit(unit, stream, tok)
+
+
+def iter_blocks_ray(
+    units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig, prefetch: int = 2
+) -> Iterator[pa.Table]:
+    """Stream the units' blocks through Ray Data, in unit order, with bounded memory."""
+    import ray.data
+
+    if not units:
+        return
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = True
+    ctx.enable_progress_bars = False
+    ds = ray.data.from_items([{"unit": u.to_json()} for u in units], override_num_blocks=len(units))
+    ds = ds.map_batches(
+        read_tokenize_batch,
+        batch_size=1,
+        batch_format="pyarrow",
+        zero_copy_batch=True,
+        fn_kwargs={
+            "stream": stream.model_dump(mode="json"),
+            "tokenizer": tok_cfg.model_dump(mode="json"),
+        },
+        num_cpus=1,
+    )
+    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch)
+
+
+__all__ = [
+    "BLOCK_SCHEMA",
+    "WHOLE_FILE",
+    "Unit",
+    "group_units",
+    "iter_blocks_local",
+    "iter_blocks_ray",
+]

@@ -1,0 +1,178 @@
+"""The `tokenmill` command line (SPEC §3.1). Also `python -m service` for `ray job submit`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import ConfigError, load_config
+
+
+def _progress(every_s: float = 5.0):
+    last = [0.0]
+
+    def report(steps: int, tokens: int, elapsed: float) -> None:
+        if elapsed - last[0] >= every_s:
+            last[0] = elapsed
+            rate = tokens / elapsed if elapsed else 0.0
+            print(
+                f"  step {steps:>7}  {tokens:>12,} tokens  {rate:>10,.0f} tok/s  {elapsed:6.1f}s",
+                file=sys.stderr,
+            )
+
+    return report
+
+
+def _print_summary(s: dict) -> None:
+    print(f"steps            {s['steps_written']}  (rows {s['rows']}, seq_len {s['seq_len']})")
+    print(f"tokens           {s['real_tokens']:,}")
+    print(
+        f"tokens/s         {s['tokens_per_s']:,.0f}  (steady state; first step after {s['time_to_first_step_s'] or 0:.1f}s)"
+    )
+    print(f"packing          {100 * s['packing_efficiency']:.2f}% real tokens")
+    print(f"elapsed          {s['elapsed_s']:.1f}s")
+    print(
+        f"{'stream':<12}{'target':>8}{'realized':>10}{'tokens':>14}{'docs':>9}{'skipped':>9}{'split':>7}{'trunc':>7}{'drop':>6}"
+    )
+    for name, st in s["streams"].items():
+        print(
+            f"{name:<12}{st['target_share']:>8.3f}{st['realized_share']:>10.3f}{st['tokens']:>14,}"
+            f"{st['docs']:>9,}{st['skipped']:>9,}{st['split']:>7,}{st['truncated']:>7,}{st['dropped']:>6,}"
+        )
+    for line in s.get("exhausted", []):
+        print(f"note: {line}")
+
+
+def cmd_export(args) -> int:
+    from service.export import run_export
+
+    cfg = load_config(args.config)
+    if not args.local:
+        from service.cluster import connect
+
+        connect(args.address)
+    summary = run_export(
+        cfg, args.out, steps=args.steps, world_size=args.world_size, fmt=args.format,
+        local=args.local, progress=_progress(),
+    )  # fmt: skip
+    _print_summary(summary)
+    print(
+        f"wrote {args.out}/ (summary.json, rejects.jsonl: {summary['rejects_written']} skipped records)"
+    )
+    return 0
+
+
+def cmd_check(args) -> int:
+    from pipeline.stats import scan
+
+    cfg = load_config(args.config)
+    print(f"config ok: {len(cfg.streams)} stream(s), hash {cfg.config_hash()}")
+    for name, s in cfg.streams.items():
+        print(f"  {name}: {s.kind}, {s.format}, {len(s.paths)} path(s), weight {s.weight}")
+    bad = 0
+    for rej in scan(cfg):
+        bad += 1
+        where = rej.file + ("" if rej.record is None else f":{rej.record}")
+        print(f"BAD {rej.stream}: {where}: {rej.reason}")
+    if bad:
+        print(f"{bad} bad record(s)", file=sys.stderr)
+        return 1
+    print("all records ok")
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from pipeline.stats import length_stats, text_histogram
+
+    cfg = load_config(args.config)
+    stats = length_stats(cfg, docs=args.docs)
+    if args.json:
+        Path(args.json).write_text(json.dumps(stats, indent=2) + "\n")
+    for name, st in stats.items():
+        print(f"stream {name}: {st['docs']} docs sampled")
+        if not st["docs"]:
+            continue
+        print(
+            f"  tokens/doc  mean {st['mean']:.1f} ± {st['std']:.1f}   p50 {st['p50']:.0f}  "
+            f"p90 {st['p90']:.0f}  p99 {st['p99']:.0f}  max {st['max']}"
+        )
+        for line in text_histogram(st["histogram"]):
+            print("  " + line)
+        print(f"  recommended seq_len: {st['recommended_seq_len']} (holds the p99 document whole)")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from service.demo import run_demo
+
+    summary = run_demo(steps=args.steps, out=args.out, address=args.address)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("export", help="write the served batch sequence to files")
+    e.add_argument("--config", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--steps", type=int, default=None, help="global steps to write (default: all)")
+    e.add_argument("--world-size", type=int, default=1)
+    e.add_argument("--format", choices=["parquet", "arrow"], default="parquet")
+    e.add_argument(
+        "--address", default=None, help="Ray cluster address (default: embedded local Ray)"
+    )
+    e.add_argument("--local", action="store_true", help="run in-process without Ray (debugging)")
+    e.set_defaults(func=cmd_export)
+
+    c = sub.add_parser("check", help="validate the config and scan every record")
+    c.add_argument("--config", required=True)
+    c.set_defaults(func=cmd_check)
+
+    s = sub.add_parser("stats", help="per-stream token-length distribution")
+    s.add_argument("--config", required=True)
+    s.add_argument("--docs", type=int, default=2000)
+    s.add_argument("--json", default=None)
+    s.set_defaults(func=cmd_stats)
+
+    d = sub.add_parser("demo", help="the main job on the embedded default")
+    d.add_argument("--steps", type=int, default=60)
+    d.add_argument("--json", default=None)
+    d.add_argument("--out", default=None, help="where to export (default: a temporary directory)")
+    d.add_argument("--address", default=None)
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "steps", None) is not None and args.steps < 1:
+        print("error: --steps must be >= 1", file=sys.stderr)
+        return 2
+    t0 = time.monotonic()
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a clear message, then the exit code; tracebacks with TOKENMILL_DEBUG
+        import os
+
+        if os.environ.get("TOKENMILL_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        for note in getattr(e, "__notes__", []):
+            print(f"  {note}", file=sys.stderr)
+        return 1
+    finally:
+        if args.command != "check":
+            print(f"({time.monotonic() - t0:.1f}s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

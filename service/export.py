@@ -1,0 +1,163 @@
+"""`tokenmill export`: write the batches exactly as they would be served (SPEC M12).
+
+One file per global step and rank, ``DIR/step-00000012-rank-0.parquet`` (or ``.arrow``), in the
+batch schema of SPEC §3.2; ``DIR/rejects.jsonl`` lists every skipped record; and
+``DIR/summary.json`` holds the run's figures. The feed runs in a Ray actor and tokenization in
+Ray Data tasks; the driver only writes files, keeping one request for steps in flight so that
+writing overlaps producing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from pipeline.config import Config
+from pipeline.feed import Feed, FeedActor, rank_slice
+
+STEPS_PER_CALL = 4
+
+
+def step_path(out: Path, step: int, rank: int, fmt: str) -> Path:
+    ext = {"parquet": "parquet", "arrow": "arrow"}[fmt]
+    return out / f"step-{step:08d}-rank-{rank}.{ext}"
+
+
+def _write(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    if fmt == "parquet":
+        pq.write_table(pa.Table.from_batches([batch]), tmp, compression="zstd")
+    else:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as w:
+            w.write_batch(batch)
+    os.replace(tmp, path)
+
+
+class _LocalFeed:
+    """The same interface as the actor, in-process (`--local`, tests, `check`)."""
+
+    def __init__(self, cfg: Config):
+        self.feed = Feed(cfg, local=True)
+
+    def next_steps(self, n, prefetch=0):
+        out = []
+        for _ in range(n):
+            b = self.feed.next_step()
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def drain_rejects(self):
+        out = [r.as_dict() for r in self.feed.rejects]
+        self.feed.rejects.clear()
+        return out
+
+    def summary(self):
+        return self.feed.summary()
+
+
+class _RemoteFeed:
+    def __init__(self, cfg: Config):
+        import ray
+
+        actor_cls = ray.remote(num_cpus=0, max_restarts=0)(FeedActor)
+        self.actor = actor_cls.remote(cfg.model_dump(mode="json"))
+        self._ray = ray
+        self._pending = None
+
+    def next_steps(self, n, prefetch=0):
+        # Keep one request in flight: the feed packs the next steps while the driver writes.
+        ref = self._pending or self.actor.next_steps.remote(n)
+        self._pending = self.actor.next_steps.remote(prefetch) if prefetch else None
+        try:
+            return self._ray.get(ref)
+        except self._ray.exceptions.RayTaskError as e:
+            # Raise the feed's own error (e.g. BadRecordError naming file and record).
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, Exception) else e) from None
+
+    def drain_rejects(self):
+        return self._ray.get(self.actor.drain_rejects.remote())
+
+    def summary(self):
+        return self._ray.get(self.actor.summary.remote())
+
+    def close(self):
+        self._ray.kill(self.actor)
+
+
+def run_export(
+    cfg: Config,
+    out: str | Path,
+    steps: int | None = None,
+    world_size: int = 1,
+    fmt: str = "parquet",
+    local: bool = False,
+    progress=None,
+) -> dict:
+    """Export up to `steps` global steps (all the data when None); return the summary."""
+    if cfg.global_batch_size % world_size:
+        raise ValueError(
+            f"--world-size {world_size} does not divide global_batch_size {cfg.global_batch_size}"
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    feed = _LocalFeed(cfg) if local else _RemoteFeed(cfg)
+    written = 0
+    tokens = 0
+    first_at = None
+    first_tokens = 0
+    rejects_path = out / "rejects.jsonl"
+    rejects_n = 0
+    try:
+        with open(rejects_path, "w") as rejects:
+            while steps is None or written < steps:
+                want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - written)
+                after = (
+                    STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - written - want)
+                )
+                batches = feed.next_steps(want, prefetch=after)
+                for batch in batches:
+                    step = int(batch.schema.metadata[b"global_step"])
+                    for r in range(world_size):
+                        part = rank_slice(batch, r, world_size, cfg.global_batch_size)
+                        _write(part, step_path(out, step, r, fmt), fmt)
+                    tokens += int(pc.sum(pc.list_flatten(batch.column("seq_lens"))).as_py() or 0)
+                    written += 1
+                    if first_at is None:
+                        first_at, first_tokens = time.monotonic(), tokens
+                for rej in feed.drain_rejects():
+                    rejects.write(json.dumps(rej) + "\n")
+                    rejects_n += 1
+                if progress:
+                    progress(written, tokens, time.monotonic() - started)
+                if len(batches) < want:
+                    break
+        summary = feed.summary()
+    finally:
+        if isinstance(feed, _RemoteFeed):
+            feed.close()
+    elapsed = time.monotonic() - started
+    steady = time.monotonic() - first_at if first_at else 0.0
+    summary.update(
+        {
+            "steps_written": written,
+            "world_size": world_size,
+            "format": fmt,
+            "elapsed_s": elapsed,
+            "time_to_first_step_s": (first_at - started) if first_at else None,
+            "tokens_per_s": (tokens - first_tokens) / steady if steady > 0 else 0.0,
+            "rejects_file": str(rejects_path),
+            "rejects_written": rejects_n,
+        }
+    )
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary

@@ -1,0 +1,69 @@
+"""Shared fixtures: one real local Ray cluster per test session, tiny real corpora."""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAYON_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_texts(n: int, start: int = 0, max_bytes: int = 20_000) -> list[str]:
+    """`n` real Python sources from the standard library, deterministic."""
+    out = []
+    for p in sorted(STDLIB.glob("*.py"))[start:]:
+        text = p.read_text(encoding="utf-8", errors="replace")[:max_bytes]
+        if text.strip():
+            out.append(text)
+        if len(out) == n:
+            break
+    return out
+
+
+def write_jsonl(path: Path, records, field: str = "text") -> Path:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps({field: r} if isinstance(r, str) else r) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real local Ray, shared by the session, with a capped object store."""
+    import ray
+
+    from service.cluster import connect
+
+    started = connect(object_store_memory=256 << 20, num_cpus=2)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from pipeline.config import TokenizerConfig
+    from pipeline.tokenization import load_tokenizer
+
+    return load_tokenizer(TokenizerConfig())
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """Three JSONL files of real source text, with one bad line in the middle file."""
+    d = tmp_path / "corpus"
+    d.mkdir()
+    texts = stdlib_texts(30)
+    write_jsonl(d / "a.jsonl", texts[:10])
+    lines = [json.dumps({"text": t}) for t in texts[10:20]]
+    lines.insert(4, "{broken json")
+    (d / "b.jsonl").write_text("\n".join(lines) + "\n")
+    write_jsonl(d / "c.jsonl", texts[20:])
+    return d

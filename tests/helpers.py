@@ -1,0 +1,63 @@
+"""Checks shared by tests: row invariants of SPEC §3.2 and document reassembly."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pyarrow as pa
+
+IGNORE = -100
+
+
+def rows_of(batch: pa.RecordBatch | pa.Table):
+    cols = batch.to_pydict()
+    n = len(cols["input_ids"])
+    for i in range(n):
+        yield {k: v[i] for k, v in cols.items()}
+
+
+def check_row(row: dict, seq_len: int, pad_id: int, loss_streams: set[str] = frozenset()) -> None:
+    """Assert every invariant of one packed row."""
+    ids = np.array(row["input_ids"])
+    labels = np.array(row["labels"])
+    pos = np.array(row["position_ids"])
+    seg = np.array(row["segment_ids"])
+    lens = row["seq_lens"]
+    assert len(ids) == len(labels) == len(pos) == len(seg) == seq_len
+    assert len(lens) == len(row["stream"]) == len(row["doc_id"]) == len(row["doc_offset"])
+    assert all(n > 0 for n in lens)
+    total = sum(lens)
+    assert total <= seq_len
+    start = 0
+    for k, n in enumerate(lens, start=1):
+        sl = slice(start, start + n)
+        assert (seg[sl] == k).all(), "segment ids count 1..k"
+        assert (pos[sl] == np.arange(n)).all(), "positions restart at every segment"
+        assert labels[start] == IGNORE, "a segment's first token is never a target"
+        if row["stream"][k - 1] not in loss_streams:
+            assert (labels[start + 1 : start + n] == ids[start + 1 : start + n]).all()
+        start += n
+    pad = slice(total, seq_len)
+    assert (seg[pad] == 0).all() and (labels[pad] == IGNORE).all() and (ids[pad] == pad_id).all()
+
+
+def reassemble(rows) -> dict[tuple[str, int], np.ndarray]:
+    """Put every document's pieces back together by (stream, doc_id), checking offsets."""
+    pieces = defaultdict(list)
+    for row in rows:
+        start = 0
+        for n, stream, doc_id, off in zip(
+            row["seq_lens"], row["stream"], row["doc_id"], row["doc_offset"], strict=True
+        ):
+            pieces[(stream, doc_id)].append((off, row["input_ids"][start : start + n]))
+            start += n
+    docs = {}
+    for key, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        expect = 0
+        for off, toks in parts:
+            assert off == expect, f"{key}: piece at {off}, expected {expect} (lost or duplicated)"
+            expect += len(toks)
+        docs[key] = np.concatenate([np.array(t, dtype=np.int64) for _, t in parts])
+    return docs

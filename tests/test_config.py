@@ -1,0 +1,103 @@
+import pytest
+import yaml
+
+from pipeline.config import ConfigError, load_config, parse_config
+
+
+def _cfg(tmp_path, **over):
+    (tmp_path / "d.jsonl").write_text('{"text": "hi"}\n')
+    base = {"seq_len": 64, "streams": {"web": {"paths": [str(tmp_path / "d.jsonl")]}}}
+    base.update(over)
+    return base
+
+
+def test_minimal_config_resolves_paths_and_format(tmp_path):
+    cfg = parse_config(_cfg(tmp_path))
+    assert cfg.streams["web"].format == "jsonl"
+    assert cfg.streams["web"].paths == [str(tmp_path / "d.jsonl")]
+    assert cfg.weights == {"web": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("override", "names"),
+    [
+        ({"seq_len": 4}, ["seq_len", "4"]),
+        ({"bogus": 1}, ["bogus", "unknown key"]),
+        ({"streams": {}}, ["streams", "at least one"]),
+        ({"packing": {"mode": "zigzag"}}, ["packing.mode", "zigzag"]),
+        ({"on_error": "ignore"}, ["on_error", "ignore"]),
+        ({"global_batch_size": 0}, ["global_batch_size"]),
+    ],
+)
+def test_invalid_values_name_key_and_value(tmp_path, override, names):
+    with pytest.raises(ConfigError) as e:
+        parse_config(_cfg(tmp_path, **override))
+    for n in names:
+        assert n in str(e.value)
+
+
+@pytest.mark.parametrize("weight", [0, -1, float("nan"), float("inf")])
+def test_non_positive_weight(tmp_path, weight):
+    data = _cfg(tmp_path)
+    data["streams"]["web"]["weight"] = weight
+    with pytest.raises(ConfigError, match=r"streams\.web\.weight"):
+        parse_config(data)
+
+
+def test_unknown_stream_key(tmp_path):
+    data = _cfg(tmp_path)
+    data["streams"]["web"]["txt_field"] = "x"
+    with pytest.raises(ConfigError, match=r"streams\.web\.txt_field: unknown key"):
+        parse_config(data)
+
+
+def test_path_matching_nothing_names_stream_and_pattern(tmp_path):
+    data = _cfg(tmp_path)
+    data["streams"]["web"]["paths"] = [str(tmp_path / "nope" / "*.jsonl")]
+    with pytest.raises(ConfigError, match=r"streams\.web\.paths: .*nope.* matches no files"):
+        parse_config(data)
+
+
+def test_schedule_names_unknown_stream(tmp_path):
+    with pytest.raises(ConfigError, match=r"schedule\.0\.weights: unknown stream 'nope'"):
+        parse_config(_cfg(tmp_path, schedule=[{"step": 3, "weights": {"nope": 1}}]))
+
+
+def test_globs_dirs_urls_sorted_and_deduplicated(tmp_path):
+    d = tmp_path / "data"
+    (d / "sub").mkdir(parents=True)
+    for name in ["b.jsonl", "a.jsonl", "sub/c.jsonl"]:
+        (d / name).write_text('{"text": "x"}\n')
+    (d / ".hidden.jsonl").write_text("junk\n")
+    data = {"streams": {"s": {"paths": [str(d / "*.jsonl"), str(d), f"file://{d}/a.jsonl"]}}}
+    files = parse_config(data).streams["s"].paths
+    assert [f.rsplit("/", 1)[-1] for f in files] == ["a.jsonl", "b.jsonl", "c.jsonl"]
+
+
+def test_relative_paths_resolve_against_config_dir(tmp_path, monkeypatch):
+    (tmp_path / "d.jsonl").write_text('{"text": "hi"}\n')
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"streams": {"s": {"paths": ["d.jsonl"]}}}))
+    monkeypatch.chdir("/")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.streams["s"].paths == [str(tmp_path / "d.jsonl")]
+
+
+def test_mixed_extensions_need_a_format(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "hi"}\n')
+    (tmp_path / "b.parquet").write_bytes(b"")
+    with pytest.raises(ConfigError, match="set 'format'"):
+        parse_config({"streams": {"s": {"paths": [str(tmp_path)]}}})
+
+
+def test_config_hash_is_stable_and_sensitive(tmp_path):
+    a = parse_config(_cfg(tmp_path))
+    b = parse_config(_cfg(tmp_path))
+    c = parse_config(_cfg(tmp_path, seed=7))
+    assert a.config_hash() == b.config_hash() != c.config_hash()
+
+
+def test_bad_yaml_is_a_config_error(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("streams: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(p)
