@@ -102,6 +102,16 @@ class Feed:
             self.first_step_tokens = self.real_tokens
         return batch
 
+    def set_weights(self, weights: dict[str, float], effective_step: int | None = None) -> int:
+        """New target weights from global step `effective_step` (default: the next step to be
+        produced). Never retroactive; recorded in the mixture history. Returns the step."""
+        step = self.step if effective_step is None else int(effective_step)
+        if step < self.step:
+            raise ValueError(
+                f"effective step {step} is already produced (next step is {self.step})"
+            )
+        return self.mixer.schedule(step, weights, source="api")
+
     def summary(self) -> dict:
         now = time.monotonic()
         L = self.cfg.seq_len
@@ -184,6 +194,9 @@ class FeedActor:
                 break
             out.append(batch)
         return out
+
+    def set_weights(self, weights: dict[str, float], effective_step: int | None = None) -> int:
+        return self.feed.set_weights(weights, effective_step)
 
     def drain_rejects(self) -> list[dict]:
         out = [r.as_dict() for r in self.feed.rejects]

@@ -78,8 +78,6 @@ class DeficitMixer:
         if step < self._step:
             raise ValueError(f"effective step {step} is in the past (current step {self._step})")
         self._add(step, weights, source)
-        if step <= self._step:
-            self._w = self._weights_for(self._step)
         return step
 
     def scheduled_weights(self, step: int) -> np.ndarray:
@@ -98,7 +96,14 @@ class DeficitMixer:
 
     def begin_step(self, step: int) -> None:
         self._step = step
-        self._w = self._weights_for(step)
+        self._set(self._weights_for(step))
+
+    def _set(self, w: np.ndarray) -> None:
+        """Adopt new weights. Deficits restart at zero, so the realized share from this
+        point on tracks the new target within one row (old shortfalls are not repaid)."""
+        if not np.array_equal(w, self._w):
+            self.target = self.placed.astype(np.float64)
+        self._w = w
 
     @property
     def weights(self) -> np.ndarray:
@@ -107,7 +112,7 @@ class DeficitMixer:
     def retire(self, stream: int) -> None:
         """A stream is exhausted: renormalize the others from the current step on."""
         self.alive[stream] = False
-        self._w = self._weights_for(self._step)
+        self._set(self._weights_for(self._step))
 
     def pick(self, candidates: Iterable[int]) -> int | None:
         """The candidate furthest behind its target; None when no candidate has weight > 0."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from pipeline.chat import ChatEncoder, validate_messages
 from pipeline.config import StreamConfig, TokenizerConfig
 from pipeline.sources import WHOLE_FILE, Piece, read_piece
 from pipeline.tokenization import LoadedTokenizer, load_tokenizer
@@ -71,7 +72,7 @@ def group_units(pieces: Iterable[Piece], block_bytes: int, first_block_bytes: in
     return units
 
 
-def _validate_text(value) -> tuple[str | None, str | None]:
+def validate_text(value) -> tuple[str | None, str | None]:
     if value is None:
         return None, "field is null"
     if isinstance(value, bytes | bytearray):
@@ -86,13 +87,22 @@ def _validate_text(value) -> tuple[str | None, str | None]:
     return value, None
 
 
-def _pretrain_docs(unit: Unit, field: str):
-    """Yield (doc_id, text | None, error | None) for every record of the unit."""
+def record_field(stream: StreamConfig) -> str:
+    return stream.messages_field if stream.kind == "chat" else stream.text_field
+
+
+def validator(stream: StreamConfig):
+    return validate_messages if stream.kind == "chat" else validate_text
+
+
+def iter_records(unit: Unit, stream: StreamConfig):
+    """Yield (doc_id, value | None, error | None) for every record of the unit, validated."""
+    field, validate = record_field(stream), validator(stream)
     for piece in unit.pieces:
         base = piece.file_index << 32
         for rec, value, err in read_piece(piece, field):
             if err is None:
-                value, err = _validate_text(value)
+                value, err = validate(value)
             yield base | rec, value, err
 
 
@@ -116,41 +126,75 @@ def _with_specials(
     return out, new_offsets
 
 
-def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.Table:
-    """Read and tokenize one unit into a block (see module docstring)."""
-    ids: list[int] = []
-    errors: list[str | None] = []
-    texts: list[str] = []
-    text_rows: list[int] = []
-    for doc_id, text, err in _pretrain_docs(unit, stream.text_field):
-        if err is None:
-            text_rows.append(len(ids))
-            texts.append(text)
-        ids.append(doc_id)
-        errors.append(err)
+def _encode_pretrain(texts: list[str], tok: LoadedTokenizer):
+    """Yield (flat ids, offsets) per batch of about _ENCODE_BATCH_BYTES of text."""
     bos = tok.bos_id if tok.add_bos else None
     eos = tok.eos_id if tok.add_eos else None
-    flats, lens = [], np.zeros(len(ids), dtype=np.int64)
     start = 0
     while start < len(texts):
         stop, nbytes = start, 0
         while stop < len(texts) and (stop == start or nbytes < _ENCODE_BATCH_BYTES):
             nbytes += len(texts[stop])
             stop += 1
-        flat, offsets = tok.encode(texts[start:stop])
-        flat, offsets = _with_specials(flat, offsets, bos, eos)
-        flats.append(flat)
-        lens[np.asarray(text_rows[start:stop], dtype=np.int64)] = np.diff(offsets)
+        yield _with_specials(*tok.encode(texts[start:stop]), bos, eos)
         start = stop
+
+
+_CHAT_ENCODERS: dict[int, ChatEncoder] = {}
+
+
+def _chat_encoder(tok: LoadedTokenizer) -> ChatEncoder:
+    enc = _CHAT_ENCODERS.get(id(tok))
+    if enc is None:
+        enc = _CHAT_ENCODERS[id(tok)] = ChatEncoder(tok)
+    return enc
+
+
+def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.Table:
+    """Read and tokenize one unit into a block (see module docstring)."""
+    ids: list[int] = []
+    errors: list[str | None] = []
+    values: list = []
+    rows: list[int] = []
+    for doc_id, value, err in iter_records(unit, stream):
+        if err is None:
+            rows.append(len(ids))
+            values.append(value)
+        ids.append(doc_id)
+        errors.append(err)
+    lens = np.zeros(len(ids), dtype=np.int64)
+    flats: list[np.ndarray] = []
+    losses: list[np.ndarray] | None = None
+    if stream.kind == "chat":
+        losses = []
+        for row, result in zip(rows, _chat_encoder(tok).encode(values), strict=True):
+            if isinstance(result, str):
+                errors[row] = result
+                continue
+            flats.append(result[0])
+            losses.append(result[1])
+            lens[row] = len(result[0])
+    else:
+        done = 0
+        for flat, offsets in _encode_pretrain(values, tok):
+            n = len(offsets) - 1
+            lens[np.asarray(rows[done : done + n], dtype=np.int64)] = np.diff(offsets)
+            flats.append(flat)
+            done += n
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
-    values = np.concatenate(flats) if flats else np.zeros(0, dtype=np.int32)
-    tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values))
+    values_arr = np.concatenate(flats) if flats else np.zeros(0, dtype=np.int32)
+    tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values_arr))
+    if losses is None:
+        loss = pa.nulls(len(ids), pa.large_list(pa.int8()))
+    else:
+        loss_values = np.concatenate(losses) if losses else np.zeros(0, dtype=np.int8)
+        loss = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(loss_values))
     return pa.table(
         {
             "doc_id": pa.array(np.asarray(ids, dtype=np.uint64)),
             "tokens": tokens,
-            "loss": pa.nulls(len(ids), pa.large_list(pa.int8())),
+            "loss": loss,
             "error": pa.array(errors, pa.string()),
         },
         schema=BLOCK_SCHEMA,

@@ -14,8 +14,8 @@ import numpy as np
 
 from pipeline.config import Config
 from pipeline.documents import Reject, StreamDocs
-from pipeline.reading import iter_blocks_local
-from pipeline.sources import WHOLE_FILE, read_piece
+from pipeline.reading import Unit, iter_blocks_local, iter_records
+from pipeline.sources import WHOLE_FILE
 
 
 def describe_lengths(lengths: np.ndarray, bins: int = 12) -> dict:
@@ -69,17 +69,12 @@ def text_histogram(hist: dict, width: int = 40) -> list[str]:
 
 def scan(cfg: Config) -> Iterator[Reject]:
     """Every bad record of every stream, in file order."""
-    from pipeline.reading import _validate_text
-
     for i, name in enumerate(cfg.streams):
         sd = StreamDocs(name, i, cfg, iter_blocks_local)
         files = sd.files
         for per_file in sd.pieces():
-            for piece in per_file:
-                for rec, value, err in read_piece(piece, sd.stream.text_field):
-                    if err is None:
-                        _, err = _validate_text(value)
-                    if err is not None:
-                        yield Reject(
-                            name, files[piece.file_index], None if rec == WHOLE_FILE else rec, err
-                        )
+            for doc_id, _, err in iter_records(Unit(0, tuple(per_file)), sd.stream):
+                if err is not None:
+                    rec = doc_id & 0xFFFFFFFF
+                    where = None if rec == WHOLE_FILE else rec
+                    yield Reject(name, files[doc_id >> 32], where, err)

@@ -29,6 +29,10 @@ CL100K_SPECIALS = {
     "<|fim_prefix|>": 100258,
     "<|fim_middle|>": 100259,
     "<|fim_suffix|>": 100260,
+    # ChatML markers at the ids OpenAI's chat models use with cl100k (tiktoken's README
+    # `cl100k_im` example); unused by cl100k_base itself, so pretraining ids are unchanged.
+    "<|im_start|>": 100264,
+    "<|im_end|>": 100265,
     "<|endofprompt|>": 100276,
 }
 
@@ -51,7 +55,7 @@ def _cl100k_ranks_file() -> Path:
 
 def default_tokenizer_file() -> Path:
     """Build (once) and return the cached HF tokenizer.json for offline cl100k_base."""
-    out = cache_dir() / f"cl100k_base-{CL100K_SHA256[:12]}" / "tokenizer.json"
+    out = cache_dir() / f"cl100k_base-im-{CL100K_SHA256[:12]}" / "tokenizer.json"
     if out.exists():
         return out
     ranks = _cl100k_ranks_file()
@@ -67,7 +71,7 @@ def default_tokenizer_file() -> Path:
         vocab_file=str(ranks), pattern=CL100K_PATTERN, additional_special_tokens=[]
     ).converted()
     # The converter knows no special tokens; give them their cl100k ids (the vocab stops at
-    # 100255, and ids 100256 and 100261..100275 are unused in cl100k too).
+    # 100255; the gaps between special ids get unused placeholder tokens).
     for text, want in sorted(CL100K_SPECIALS.items(), key=lambda kv: kv[1]):
         while tok.get_vocab_size(with_added_tokens=True) < want:
             filler = f"<|tokenmill_unused_{tok.get_vocab_size(with_added_tokens=True)}|>"
@@ -125,7 +129,10 @@ def load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
 
     template = cfg.chat_template
     if cfg.name == "default":
+        from pipeline.chat import DEFAULT_CHAT_TEMPLATE
+
         tok = Tokenizer.from_file(str(default_tokenizer_file()))
+        template = template or DEFAULT_CHAT_TEMPLATE
         bos, eos, pad = None, CL100K_SPECIALS["<|endoftext|>"], CL100K_SPECIALS["<|endoftext|>"]
     elif cfg.name.endswith(".json") and Path(cfg.name).is_file():
         tok = Tokenizer.from_file(cfg.name)
