@@ -63,6 +63,12 @@ class ReadConfig(_Frozen):
 
     block_bytes: int = Field(default=8 << 20, ge=1 << 10)
     first_block_bytes: int = Field(default=1 << 20, ge=1 << 10)
+
+    @property
+    def piece_bytes(self) -> int:
+        """Large files are cut this fine, so that the ramp-up units can be small."""
+        return min(self.block_bytes, self.first_block_bytes)
+
     max_in_flight: int = Field(default=0, ge=0)  # 0: 2 x the cluster's CPUs
 
 

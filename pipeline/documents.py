@@ -85,6 +85,18 @@ class StreamDocs:
         self.counters = StreamCounters()
         self._pieces: list[list[Piece]] | None = None
         self._files: list[str] | None = None
+        self._early: Iterator[pa.Table] | None = None
+
+    def start(self) -> None:
+        """Begin reading epoch 0 now (the Ray executor starts work on construction)."""
+        if self._early is None:
+            self._early = self.executor(self.units(0), self.stream, self.cfg.tokenizer)
+
+    def _blocks(self, epoch: int) -> Iterator[pa.Table]:
+        if epoch == 0 and self._early is not None:
+            blocks, self._early = self._early, None
+            return blocks
+        return self.executor(self.units(epoch), self.stream, self.cfg.tokenizer)
 
     @property
     def files(self) -> list[str]:
@@ -99,7 +111,7 @@ class StreamDocs:
     def pieces(self) -> list[list[Piece]]:
         if self._pieces is None:
             self._pieces = plan_pieces(
-                self.stream.paths, self.stream.format, self.cfg.read.block_bytes
+                self.stream.paths, self.stream.format, self.cfg.read.piece_bytes
             )
         return self._pieces
 
@@ -122,7 +134,7 @@ class StreamDocs:
     def _epoch_docs(self, epoch: int) -> Iterator[Doc]:
         cap = self.stream.max_tokens
         c = self.counters
-        for block in self.executor(self.units(epoch), self.stream, self.cfg.tokenizer):
+        for block in self._blocks(epoch):
             for batch in block.to_batches():
                 ids = batch.column("doc_id").to_numpy()
                 toks = batch.column("tokens")

@@ -44,6 +44,8 @@ class Feed:
         executor = default_executor(local)
         sink = on_reject or self.rejects.append
         self.streams = [StreamDocs(n, i, cfg, executor, sink) for i, n in enumerate(self.names)]
+        for s in self.streams:
+            s.start()  # every stream's reading begins now, concurrently
         self.mixer = DeficitMixer(self.names, {n: s.weight for n, s in cfg.streams.items()})
         for entry in cfg.schedule:
             self.mixer.schedule(entry.step, entry.weights, source="schedule")

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -225,30 +227,86 @@ def iter_blocks_local(
         yield tokenize_unit(unit, stream, tok)
 
 
+class _Prefetcher:
+    """Pull an iterator on a background thread into a bounded queue.
+
+    Started at construction, so every stream's Ray Data execution begins at once instead of
+    when the packer first asks for that stream. An exception on the thread is re-raised in
+    the consumer with its traceback; nothing is swallowed and the consumer never hangs.
+    """
+
+    _END = object()
+
+    def __init__(self, make_iter, depth: int):
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(make_iter,), daemon=True)
+        self._thread.start()
+
+    def _run(self, make_iter) -> None:
+        try:
+            for item in make_iter():
+                while not self._stop.is_set():
+                    try:
+                        self._q.put((item, None), timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._q.put((self._END, None))
+        except BaseException as e:  # carried to the consumer
+            self._q.put((self._END, e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item, err = self._q.get()
+        if err is not None:
+            raise err
+        if item is self._END:
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+
+
 def iter_blocks_ray(
     units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig, prefetch: int = 2
 ) -> Iterator[pa.Table]:
-    """Stream the units' blocks through Ray Data, in unit order, with bounded memory."""
+    """Stream the units' blocks through Ray Data, in unit order, with bounded memory.
+
+    Execution starts at once (on a background thread), not at the first `next`.
+    """
     import ray.data
 
-    if not units:
-        return
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = False
-    ds = ray.data.from_items([{"unit": u.to_json()} for u in units], override_num_blocks=len(units))
-    ds = ds.map_batches(
-        read_tokenize_batch,
-        batch_size=1,
-        batch_format="pyarrow",
-        zero_copy_batch=True,
-        fn_kwargs={
-            "stream": stream.model_dump(mode="json"),
-            "tokenizer": tok_cfg.model_dump(mode="json"),
-        },
-        num_cpus=1,
-    )
-    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch)
+    def blocks():
+        if not units:
+            return
+        ctx = ray.data.DataContext.get_current()
+        ctx.execution_options.preserve_order = True
+        ctx.enable_progress_bars = False
+        ds = ray.data.from_items(
+            [{"unit": u.to_json()} for u in units], override_num_blocks=len(units)
+        )
+        ds = ds.map_batches(
+            read_tokenize_batch,
+            batch_size=1,
+            batch_format="pyarrow",
+            zero_copy_batch=True,
+            fn_kwargs={
+                "stream": stream.model_dump(mode="json"),
+                "tokenizer": tok_cfg.model_dump(mode="json"),
+            },
+            num_cpus=1,
+        )
+        yield from ds.iter_batches(
+            batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch
+        )
+
+    return _Prefetcher(blocks, prefetch)
 
 
 __all__ = [

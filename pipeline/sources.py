@@ -184,12 +184,12 @@ def list_mds_shards(index_files: list[str]) -> list[tuple[str, dict]]:
     return shards
 
 
-def _jsonl_pieces(fi: int, path: str, size: int, block_bytes: int) -> list[Piece]:
-    """Cut a JSONL file at line starts near every `block_bytes`, counting lines on the way."""
-    if size <= block_bytes or path.endswith((".gz", ".zst", ".bz2")):
+def _jsonl_pieces(fi: int, path: str, size: int, piece_bytes: int) -> list[Piece]:
+    """Cut a JSONL file at line starts near every `piece_bytes`, counting lines on the way."""
+    if size <= piece_bytes or path.endswith((".gz", ".zst", ".bz2")):
         return [Piece(fi, path, "jsonl", 0, 0, -1, size)]
     pieces, start, first, lines, pos = [], 0, 0, 0, 0
-    next_cut = block_bytes
+    next_cut = piece_bytes
     with open_file(path) as f:
         while True:
             chunk = f.read(4 << 20)
@@ -206,14 +206,14 @@ def _jsonl_pieces(fi: int, path: str, size: int, block_bytes: int) -> list[Piece
                     pieces.append(Piece(fi, path, "jsonl", first, start, cut, cut - start))
                     start, first = cut, lines
                 search_from = nl + 1
-                next_cut = cut + block_bytes
+                next_cut = cut + piece_bytes
             lines += chunk.count(b"\n", search_from)
             pos += len(chunk)
     pieces.append(Piece(fi, path, "jsonl", first, start, -1, size - start))
     return pieces
 
 
-def plan_pieces(files: list[str], fmt: str, block_bytes: int) -> list[list[Piece]]:
+def plan_pieces(files: list[str], fmt: str, piece_bytes: int) -> list[list[Piece]]:
     """Per file (in file_index order), the pieces it is read in.
 
     Metadata that cannot be read (a corrupt Parquet footer, say) becomes a single piece whose
@@ -244,7 +244,7 @@ def plan_pieces(files: list[str], fmt: str, block_bytes: int) -> list[list[Piece
             continue
         if fmt == "jsonl":
             try:
-                out.append(_jsonl_pieces(fi, path, size, block_bytes))
+                out.append(_jsonl_pieces(fi, path, size, piece_bytes))
             except OSError:
                 out.append([Piece(fi, path, fmt, nbytes=size)])
         elif fmt == "parquet":

@@ -23,7 +23,8 @@ def demo_config(corpus: Path) -> dict:
         "packing": {"mode": "bfd", "buffer": 256, "overflow": "split"},
         "on_error": "skip",
         "streams": {
-            "code": {"kind": "pretrain", "paths": [str(corpus / "code.jsonl")], "weight": 1.0},
+            "code": {"kind": "pretrain", "paths": [str(corpus / "code.jsonl")], "weight": 0.7},
+            "chat": {"kind": "chat", "paths": [str(corpus / "chat.jsonl")], "weight": 0.3},
         },
     }
 

@@ -34,7 +34,7 @@ def test_jsonl_pieces_cut_at_line_starts_with_exact_record_indices(tmp_path):
     p = tmp_path / "big.jsonl"
     p.write_text("\n".join(lines) + "\n")
     size = p.stat().st_size
-    pieces = _jsonl_pieces(0, str(p), size, block_bytes=1000)
+    pieces = _jsonl_pieces(0, str(p), size, piece_bytes=1000)
     assert len(pieces) > 5
     seen = []
     for piece in pieces:
