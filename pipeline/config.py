@@ -55,7 +55,7 @@ class ShuffleConfig(_Frozen):
     """Seeded file order per epoch, plus a permutation inside consecutive windows of documents."""
 
     files: bool = True
-    window: int = Field(default=1024, ge=1, le=10_000_000)
+    window: int = Field(default=256, ge=1, le=10_000_000)
 
 
 class ReadConfig(_Frozen):
