@@ -79,7 +79,9 @@ def main(argv=None) -> int:
             "shuffle": {"window": 64},
             # The standard library is ~11 MB of source: read it several times (each epoch is
             # re-read and re-tokenized in a new order) so that start-up is amortized.
-            "streams": {"code": {"paths": [str(corpus / "code.jsonl")], "repeat": 1 if args.quick else 4}},
+            "streams": {
+                "code": {"paths": [str(corpus / "code.jsonl")], "repeat": 1 if args.quick else 4}
+            },
         }
     )
     runs = []
@@ -106,7 +108,9 @@ def main(argv=None) -> int:
         "packing_efficiency": runs[-1]["packing_efficiency"],
         "mode": args.mode,
     }
-    print(f"single-process tokenizer: {statistics.median(single):,.0f} tok/s (x{cpus} cpus = {limit_rate:,.0f})")
+    print(
+        f"single-process tokenizer: {statistics.median(single):,.0f} tok/s (x{cpus} cpus = {limit_rate:,.0f})"
+    )
     print(f"tokenmill export:         {statistics.median(export_rates):,.0f} tok/s (runs: "
           + ", ".join(f"{r:,.0f}" for r in export_rates) + ")")  # fmt: skip
     print(f"ratio to the limit:       {result['export_over_limit_median']:.2f} (spread "

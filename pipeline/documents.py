@@ -9,14 +9,14 @@ error raised (`on_error: fail`) or the rejects written (`skip`) are the same on 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pyarrow as pa
 
 from pipeline.config import Config, StreamConfig
 from pipeline.reading import Unit, group_units
-from pipeline.shuffle import file_order, windowed_shuffle
+from pipeline.shuffle import file_order, window_permutation
 from pipeline.sources import WHOLE_FILE, Piece, list_mds_shards, plan_pieces
 
 Executor = Callable[[list[Unit], StreamConfig, object], Iterator[pa.Table]]
@@ -34,9 +34,47 @@ class Doc:
     doc_id: int
     tokens: np.ndarray
     loss: np.ndarray | None = None
+    cursor: Cursor | None = None  # where the stream stood just before yielding this doc
+    arrival: int = -1  # set by the bfd packer: the arrival number of this doc's first piece
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A position in a stream's shuffled document sequence, enough to resume there exactly.
+
+    Documents are shuffled within windows of `shuffle.window` good documents in read order.
+    (`unit`, `row`) is the read position of the window's first row; the counters are the
+    stream's as of that position; `offset` is how many documents of the window were yielded.
+    Resuming re-reads one window from (`unit`, `row`), never the prefix of the epoch.
+    """
+
+    epoch: int = 0
+    window: int = 0
+    unit: int = 0
+    row: int = 0
+    docs: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    offset: int = 0
+
+    def to_json(self) -> list[int]:
+        return [
+            self.epoch,
+            self.window,
+            self.unit,
+            self.row,
+            self.docs,
+            self.tokens,
+            self.skipped,
+            self.offset,
+        ]
+
+    @staticmethod
+    def from_json(v: list[int]) -> Cursor:
+        return Cursor(*(int(x) for x in v))
 
 
 @dataclass
@@ -77,6 +115,8 @@ class StreamDocs:
         cfg: Config,
         executor: Executor,
         on_reject: Callable[[Reject], None] | None = None,
+        start: Cursor | None = None,
+        reported: tuple[int, int, int] | None = None,
     ):
         self.name, self.index, self.cfg = name, index, cfg
         self.stream = cfg.streams[name]
@@ -86,17 +126,33 @@ class StreamDocs:
         self._pieces: list[list[Piece]] | None = None
         self._files: list[str] | None = None
         self._early: Iterator[pa.Table] | None = None
+        self.start_cursor = start or Cursor()
+        self.next_cursor = self.start_cursor
+        c = self.counters
+        c.docs, c.tokens, c.skipped = (
+            self.start_cursor.docs,
+            self.start_cursor.tokens,
+            self.start_cursor.skipped,
+        )
+        c.epochs_started = min(self.start_cursor.epoch + (start is not None), self.stream.repeat)
+        # Rejects at read positions before this mark were reported before a resume.
+        self.reported = reported or (-1, -1, -1)
+        self.read_mark = self.reported
 
     def start(self) -> None:
-        """Begin reading epoch 0 now (the Ray executor starts work on construction)."""
+        """Begin reading now (the Ray executor starts work on construction)."""
         if self._early is None:
-            self._early = self.executor(self.units(0), self.stream, self.cfg.tokenizer)
+            c = self.start_cursor
+            self._early = self.executor(
+                self.units(c.epoch)[c.unit :], self.stream, self.cfg.tokenizer
+            )
 
-    def _blocks(self, epoch: int) -> Iterator[pa.Table]:
-        if epoch == 0 and self._early is not None:
+    def _blocks(self, epoch: int, unit: int) -> Iterator[pa.Table]:
+        c = self.start_cursor
+        if self._early is not None and (epoch, unit) == (c.epoch, c.unit):
             blocks, self._early = self._early, None
             return blocks
-        return self.executor(self.units(epoch), self.stream, self.cfg.tokenizer)
+        return self.executor(self.units(epoch)[unit:], self.stream, self.cfg.tokenizer)
 
     @property
     def files(self) -> list[str]:
@@ -122,20 +178,45 @@ class StreamDocs:
         return group_units(flat, self.cfg.read.block_bytes, self.cfg.read.first_block_bytes)
 
     def __iter__(self) -> Iterator[Doc]:
-        for epoch in range(self.stream.repeat):
-            self.counters.epochs_started += 1
-            docs = self._epoch_docs(epoch)
-            yield from windowed_shuffle(
-                docs, self.cfg.shuffle.window, self.cfg.seed, self.name, epoch
-            )
-            if self.counters.capped:
+        c, W = self.counters, self.cfg.shuffle.window
+        cur = self.start_cursor
+        for epoch in range(cur.epoch, self.stream.repeat):
+            c.epochs_started = epoch + 1
+            fresh = epoch != cur.epoch
+            k = 0 if fresh else cur.window
+            self._pos = (0, 0) if fresh else (cur.unit, cur.row)
+            skip = 0 if fresh else cur.offset
+            rows = self._good_rows(epoch, *self._pos)
+            while True:
+                at = Cursor(epoch, k, *self._pos, c.docs, c.tokens, c.skipped, 0)
+                window = [doc for _, doc in zip(range(W), rows, strict=False)]
+                if not window:
+                    break
+                order = (
+                    window_permutation(len(window), self.cfg.seed, self.name, epoch, k)
+                    if W > 1
+                    else range(1)
+                )
+                for j in range(skip, len(window)):
+                    doc = window[order[j]]
+                    doc.cursor = replace(at, offset=j)
+                    self.next_cursor = replace(at, offset=j + 1)
+                    yield doc
+                skip, k = 0, k + 1
+                if c.capped:
+                    return
+            self.next_cursor = Cursor(epoch + 1, docs=c.docs, tokens=c.tokens, skipped=c.skipped)
+            if c.capped:
                 return
 
-    def _epoch_docs(self, epoch: int) -> Iterator[Doc]:
+    def _good_rows(self, epoch: int, unit0: int, row0: int) -> Iterator[Doc]:
+        """Good documents in read order from read position (unit0, row0); rejects handled."""
         cap = self.stream.max_tokens
         c = self.counters
-        for block in self._blocks(epoch):
+        unit, row = unit0, 0
+        for block in self._blocks(epoch, unit0):
             for batch in block.to_batches():
+                units = batch.column("unit").to_numpy()
                 ids = batch.column("doc_id").to_numpy()
                 toks = batch.column("tokens")
                 offsets = toks.offsets.to_numpy()
@@ -151,9 +232,18 @@ class StreamDocs:
                     else None
                 )
                 for i in range(len(ids)):
+                    if units[i] != unit:
+                        unit, row = int(units[i]), 0
+                    here, row = row, row + 1
+                    if unit == unit0 and here < row0:
+                        continue  # before the resume point
+                    self._pos = (unit, row)
+                    mark = (epoch, unit, here)
                     if bad is not None and bad[i]:
-                        self._reject(int(ids[i]), errors[i].as_py())
+                        self._reject(int(ids[i]), errors[i].as_py(), report=mark > self.reported)
+                        self.read_mark = max(self.read_mark, mark)
                         continue
+                    self.read_mark = max(self.read_mark, mark)
                     a, b = offsets[i], offsets[i + 1]
                     loss = loss_values[loss_offsets[i] : loss_offsets[i + 1]] if has_loss else None
                     c.docs += 1
@@ -165,7 +255,7 @@ class StreamDocs:
                         c.capped = True
                         return
 
-    def _reject(self, doc_id: int, reason: str) -> None:
+    def _reject(self, doc_id: int, reason: str, report: bool = True) -> None:
         file_index, record = doc_id >> 32, doc_id & 0xFFFFFFFF
         path = self.files[file_index] if file_index < len(self.files) else f"<file {file_index}>"
         rec = None if record == WHOLE_FILE else record
@@ -173,5 +263,5 @@ class StreamDocs:
         if self.cfg.on_error == "fail":
             raise BadRecordError(f"stream {self.name!r}: {where}: {reason}")
         self.counters.skipped += 1
-        if self.on_reject is not None:
+        if report and self.on_reject is not None:
             self.on_reject(Reject(self.name, path, rec, reason))

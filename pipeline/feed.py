@@ -11,6 +11,7 @@ hosts a Feed in a Ray actor (no CPU reserved: the expensive work runs in Ray Dat
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -18,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import Config
-from pipeline.documents import Reject, StreamDocs
+from pipeline.documents import Cursor, Reject, StreamDocs
 from pipeline.mixing import DeficitMixer
 from pipeline.packing import make_packer
 from pipeline.schema import build_batch, with_metadata
@@ -37,13 +38,24 @@ class Feed:
         cfg: Config,
         local: bool = False,
         on_reject: Callable[[Reject], None] | None = None,
+        state: dict | None = None,
+        allow_config_change: bool = False,
     ):
         self.cfg = cfg
         self.names = list(cfg.streams)
         self.rejects: list[Reject] = []
+        self.config_hash = cfg.config_hash()
+        if state is not None:
+            check_state(state, self.config_hash, self.names, allow_config_change)
         executor = default_executor(local)
         sink = on_reject or self.rejects.append
-        self.streams = [StreamDocs(n, i, cfg, executor, sink) for i, n in enumerate(self.names)]
+        self.streams = []
+        for i, n in enumerate(self.names):
+            start = reported = None
+            if state is not None:
+                st = state["streams"][n]
+                start, reported = Cursor.from_json(st["restart"]), tuple(st["reported"])
+            self.streams.append(StreamDocs(n, i, cfg, executor, sink, start, reported))
         for s in self.streams:
             s.start()  # every stream's reading begins now, concurrently
         self.mixer = DeficitMixer(self.names, {n: s.weight for n, s in cfg.streams.items()})
@@ -59,7 +71,6 @@ class Feed:
             cfg.packing.buffer,
         )
         self.pad_id = load_tokenizer(cfg.tokenizer).pad_id
-        self.config_hash = cfg.config_hash()
         self.step = 0
         self.rows = 0
         self.real_tokens = 0
@@ -68,6 +79,55 @@ class Feed:
         self.first_step_at: float | None = None
         self.first_step_tokens = 0
         self.finished = False
+        if state is not None:
+            self._restore(state, allow_config_change)
+
+    # -- resumable state (SPEC M7) ------------------------------------------------------------
+
+    def state(self) -> dict:
+        """The state as of now: a resumed feed produces step `state["step"]` next.
+
+        Small JSON: per-stream cursors, mixer counters and weight history, and the packer's
+        buffer as arrival numbers to be rebuilt by replay. Never tokens.
+        """
+        nexts = [s.next_cursor for s in self.streams]
+        packer = self.packer.state(nexts)
+        restart = packer.pop("restart")
+        return {
+            "version": STATE_VERSION,
+            "config_hash": self.config_hash,
+            "step": self.step,
+            "streams": {
+                n: {
+                    "restart": (restart[i] or nexts[i]).to_json(),
+                    "next": nexts[i].to_json(),
+                    "reported": list(self.streams[i].read_mark),
+                }
+                for i, n in enumerate(self.names)
+            },
+            "packer": packer,
+            "mixer": self.mixer.state(),
+            "feed": {
+                "rows": self.rows,
+                "real_tokens": self.real_tokens,
+                "docs_emitted": self.docs_emitted.tolist(),
+                "finished": self.finished,
+            },
+        }
+
+    def _restore(self, state: dict, allow_config_change: bool) -> None:
+        self.mixer.restore(state["mixer"])
+        self.packer.restore(state["packer"])
+        f = state["feed"]
+        self.step = int(state["step"])
+        self.rows, self.real_tokens = int(f["rows"]), int(f["real_tokens"])
+        self.docs_emitted = np.array(f["docs_emitted"], dtype=np.int64)
+        self.finished = bool(f["finished"])
+        if state["config_hash"] != self.config_hash and allow_config_change:
+            # The config's weights take over from the resume step; the change is recorded.
+            self.mixer.schedule(
+                self.step, {n: s.weight for n, s in self.cfg.streams.items()}, "resume"
+            )
 
     def next_step(self) -> pa.RecordBatch | None:
         """The next global step (G rows; the last may be short), or None when the data ends."""
@@ -159,6 +219,34 @@ class Feed:
             "tokens_per_s": steady_tokens / steady_s if steady_s > 0 else 0.0,
             "config_hash": self.config_hash,
         }
+
+
+STATE_VERSION = 1
+
+
+class StateError(ValueError):
+    """A resume state that does not fit this config."""
+
+
+def check_state(state: dict, config_hash: str, names: list[str], allow_config_change: bool) -> None:
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise StateError(
+            f"resume state has version {state.get('version')!r}, expected {STATE_VERSION}"
+        )
+    if state["config_hash"] != config_hash:
+        if not allow_config_change:
+            raise StateError(
+                f"resume state was written by config {state['config_hash']}, this config is "
+                f"{config_hash}; pass --allow-config-change to resume anyway (weights from the "
+                "new config apply from the resume step and are recorded)"
+            )
+        logging.getLogger("tokenmill").warning(
+            "resuming a state of config %s with config %s", state["config_hash"], config_hash
+        )
+    if sorted(state["streams"]) != sorted(names):
+        raise StateError(
+            f"resume state has streams {sorted(state['streams'])}, config has {sorted(names)}"
+        )
 
 
 def rank_slice(

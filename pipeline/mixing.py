@@ -129,6 +129,24 @@ class DeficitMixer:
         self.placed[stream] += n
         self.target += self._w * n
 
+    def state(self) -> dict:
+        return {
+            "history": [c.as_dict() for c in self.history],
+            "target": self.target.tolist(),
+            "placed": self.placed.tolist(),
+            "alive": self.alive.tolist(),
+            "weights": self._w.tolist(),
+            "step": self._step,
+        }
+
+    def restore(self, state: dict) -> None:
+        self.history = [WeightChange(**c) for c in state["history"]]
+        self.target = np.array(state["target"], dtype=np.float64)
+        self.placed = np.array(state["placed"], dtype=np.int64)
+        self.alive = np.array(state["alive"], dtype=bool)
+        self._w = np.array(state["weights"], dtype=np.float64)
+        self._step = int(state["step"])
+
     def realized(self) -> dict[str, float]:
         total = self.placed.sum()
         return {

@@ -158,11 +158,37 @@ class Packer:
     def next_row(self) -> Row | None:
         raise NotImplementedError
 
+    # -- resumable state: counters plus what is needed to rebuild buffers by replay --------
+
+    def state(self, next_cursors: list) -> dict:
+        """JSON-able state; `next_cursors[s]` is stream s's cursor after its last pulled doc.
+
+        Returns it with "restart": per stream, the cursor a resumed stream must start from.
+        """
+        return {
+            "source_done": list(self.source_done),
+            "finished": self.finished,
+            "exhausted_log": list(self.exhausted_log),
+            "counters": [c.as_dict() for c in self.counters],
+        }
+
+    def restore(self, state: dict) -> None:
+        """Rebuild buffers by replay (sources must start at the state's restart cursors)."""
+        self._replay(state)
+        self.source_done = list(state["source_done"])
+        self.finished = state["finished"]
+        self.exhausted_log = list(state["exhausted_log"])
+        self.counters = [PackCounters(**c) for c in state["counters"]]
+
+    def _replay(self, state: dict) -> None:
+        raise NotImplementedError
+
 
 class ConcatPacker(Packer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._pending: list[deque[Segment]] = [deque() for _ in self.sources]
+        self._pulled: list[int] = [0] * len(self.sources)  # tokens in the current doc's pieces
 
     def _has_piece(self, s: int) -> bool:
         if self._pending[s]:
@@ -172,7 +198,41 @@ class ConcatPacker(Packer):
             self._dry(s)
             return False
         self._pending[s].extend(pieces)
+        self._pulled[s] = sum(p.length for p in pieces)
         return True
+
+    def state(self, next_cursors: list) -> dict:
+        out = super().state(next_cursors)
+        consumed, restart = [], []
+        for s, pending in enumerate(self._pending):
+            if pending:  # mid-document: re-pull it and skip what was already placed
+                consumed.append(self._pulled[s] - sum(p.length for p in pending))
+                restart.append(pending[0].doc.cursor)
+            else:
+                consumed.append(None)
+                restart.append(next_cursors[s])
+        return out | {"consumed": consumed, "restart": restart}
+
+    def _replay(self, state: dict) -> None:
+        for s, consumed in enumerate(state["consumed"]):
+            if consumed is None:
+                continue
+            pieces = self._pull(s)
+            if pieces is None:
+                raise ValueError(
+                    f"resume: stream {self.mixer.names[s]!r} has no document at its cursor"
+                )
+            self._pulled[s] = sum(p.length for p in pieces)
+            pending = deque(pieces)
+            while consumed > 0:
+                head = pending[0]
+                if head.length <= consumed:
+                    consumed -= head.length
+                    pending.popleft()
+                else:
+                    pending[0] = Segment(head.doc, head.offset + consumed, head.length - consumed)
+                    consumed = 0
+            self._pending[s] = pending
 
     def next_row(self) -> Row | None:
         row: Row = []
@@ -216,9 +276,44 @@ class BfdPacker(Packer):
             pieces = self._pull(s)
             if pieces is None:
                 return
+            pieces[0].doc.arrival = int(self.arrivals[s])
             for p in pieces:
                 pool.add(int(self.arrivals[s]), p)
                 self.arrivals[s] += 1
+
+    def state(self, next_cursors: list) -> dict:
+        out = super().state(next_cursors)
+        pools, restart = [], []
+        for s, pool in enumerate(self.pools):
+            if pool:
+                oldest = min((p.doc for p in pool.items.values()), key=lambda d: d.arrival)
+                restart.append(oldest.cursor)
+                base = oldest.arrival
+            else:
+                restart.append(next_cursors[s])
+                base = int(self.arrivals[s])
+            pools.append(
+                {"base": base, "arrivals": int(self.arrivals[s]), "pool": sorted(pool.items)}
+            )
+        return out | {"pools": pools, "restart": restart}
+
+    def _replay(self, state: dict) -> None:
+        for s, saved in enumerate(state["pools"]):
+            keep = set(saved["pool"])
+            self.arrivals[s] = saved["base"]
+            while self.arrivals[s] < saved["arrivals"]:
+                pieces = self._pull(s)
+                if pieces is None:
+                    raise ValueError(f"resume: stream {self.mixer.names[s]!r} ended during replay")
+                pieces[0].doc.arrival = int(self.arrivals[s])
+                for p in pieces:
+                    if int(self.arrivals[s]) in keep:
+                        self.pools[s].add(int(self.arrivals[s]), p)
+                    self.arrivals[s] += 1
+            if self.arrivals[s] != saved["arrivals"] or len(self.pools[s]) != len(keep):
+                raise ValueError(
+                    f"resume: stream {self.mixer.names[s]!r} replay does not match the state"
+                )
 
     def _first_piece(self, s: int) -> Segment:
         pool = self.pools[s]

@@ -8,6 +8,7 @@ quickly. The task body lives in this importable module so that each Ray worker p
 its tokenizer in `tokenization._CACHE` across tasks.
 
 Output block schema (one row per record, in record order):
+    unit    int32           the unit's index in its epoch (a read position is (unit, row))
     doc_id  uint64          (file_index << 32) | record_index
     tokens  list<int32>     BOS/EOS applied; empty for a bad record
     loss    list<int8>      per-token loss mask (chat streams only; null for pretrain)
@@ -33,6 +34,7 @@ from pipeline.tokenization import LoadedTokenizer, load_tokenizer
 
 BLOCK_SCHEMA = pa.schema(
     [
+        ("unit", pa.int32()),
         ("doc_id", pa.uint64()),
         ("tokens", pa.large_list(pa.int32())),
         ("loss", pa.large_list(pa.int8())),
@@ -194,6 +196,7 @@ def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.
         loss = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(loss_values))
     return pa.table(
         {
+            "unit": pa.array(np.full(len(ids), unit.index, dtype=np.int32)),
             "doc_id": pa.array(np.asarray(ids, dtype=np.uint64)),
             "tokens": tokens,
             "loss": loss,

@@ -12,12 +12,8 @@ possible (the trade-off grain makes for its windowed shuffle too).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
 
 import numpy as np
-
-T = TypeVar("T")
 
 FILE_ORDER, DOC_WINDOW = 1, 2  # stream-of-randomness tags
 
@@ -45,23 +41,3 @@ def file_order(
 
 def window_permutation(size: int, seed: int, stream: str, epoch: int, window: int) -> np.ndarray:
     return rng_for(seed, stream, epoch, DOC_WINDOW, window).permutation(size)
-
-
-def windowed_shuffle(
-    items: Iterable[T], window: int, seed: int, stream: str, epoch: int, first_window: int = 0
-) -> Iterator[T]:
-    """Yield `items` with each consecutive run of `window` items permuted (the last may be short)."""
-    if window <= 1:
-        yield from items
-        return
-    buf: list[T] = []
-    k = first_window
-    for item in items:
-        buf.append(item)
-        if len(buf) == window:
-            for i in window_permutation(window, seed, stream, epoch, k):
-                yield buf[i]
-            buf, k = [], k + 1
-    if buf:
-        for i in window_permutation(len(buf), seed, stream, epoch, k):
-            yield buf[i]

@@ -1,0 +1,121 @@
+"""Exact resume (SPEC M7): every stateful stage, several seeds, concat and bfd, mixed with chat."""
+
+import json
+
+import pytest
+
+from pipeline.config import parse_config
+from pipeline.feed import Feed, StateError
+from service.demo_corpus import _chat_pairs
+from tests.conformance import assert_resume_conforms
+from tests.conftest import STDLIB, stdlib_texts, write_jsonl
+
+
+@pytest.fixture
+def mixed(tmp_path):
+    write_jsonl(tmp_path / "code.jsonl", stdlib_texts(25, max_bytes=3000))
+    lines = [json.dumps({"text": t}) for t in stdlib_texts(20, start=30, max_bytes=1500)]
+    lines.insert(3, "{bad")
+    lines.insert(11, json.dumps({"text": ""}))
+    (tmp_path / "prose.jsonl").write_text("\n".join(lines) + "\n")
+    chats = []
+    for p in sorted(STDLIB.glob("*.py"))[:40]:
+        chats += list(_chat_pairs(p, p.read_text(encoding="utf-8", errors="replace")))
+    write_jsonl(tmp_path / "chat.jsonl", chats[:150])
+    return tmp_path
+
+
+def make(tmp, mode, seed, **extra):
+    cfg = parse_config({
+        "seed": seed, "seq_len": 96, "global_batch_size": 4,
+        "packing": {"mode": mode, "buffer": 12},
+        "shuffle": {"window": 5},
+        "read": {"block_bytes": 8000, "first_block_bytes": 2000},
+        "mixing": {"on_exhausted": "renormalize"},
+        "streams": {
+            "code": {"paths": [str(tmp / "code.jsonl")], "weight": 3, "repeat": 2},
+            "prose": {"paths": [str(tmp / "prose.jsonl")], "weight": 1},
+            "chat": {"kind": "chat", "paths": [str(tmp / "chat.jsonl")], "weight": 1},
+        },
+        **extra,
+    })  # fmt: skip
+    return lambda state: Feed(cfg, local=True, state=state)
+
+
+@pytest.mark.parametrize("mode", ["concat", "bfd"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_resume_anywhere_equals_the_straight_run(mixed, mode, seed):
+    assert_resume_conforms(make(mixed, mode, seed), steps=400, midpoints=[0, 1, 7, 33, 90])
+
+
+def test_resume_across_exhaustion_and_to_the_end(mixed):
+    make_feed = make(mixed, "bfd", 5)
+    feed = make_feed(None)
+    n = 0
+    while feed.next_step() is not None:
+        n += 1
+    assert feed.summary()["exhausted"], "the run must reach exhaustion"
+    assert_resume_conforms(make_feed, steps=n + 5, midpoints=[n // 2, n - 3, n - 1])
+
+
+def test_resume_keeps_run_time_weight_changes(mixed):
+    make_feed = make(mixed, "bfd", 3)
+    feed = make_feed(None)
+    for _ in range(5):
+        feed.next_step()
+    feed.set_weights({"code": 1, "prose": 0, "chat": 1}, effective_step=9)
+    state = json.loads(json.dumps(feed.state()))
+    straight = [feed.next_step() for _ in range(10)]
+    resumed = make_feed(state)
+    again = [resumed.next_step() for _ in range(10)]
+    assert [b.to_pydict() for b in straight] == [b.to_pydict() for b in again]
+    assert [h["step"] for h in resumed.summary()["mixture_history"]] == [0, 9]
+
+
+def test_state_is_small_json_without_tokens(mixed):
+    feed = make(mixed, "bfd", 0)(None)
+    for _ in range(20):
+        feed.next_step()
+    blob = json.dumps(feed.state())
+    assert len(blob) < 8_000
+    assert json.loads(blob)["step"] == 20
+
+
+def test_rejects_are_not_reported_twice_after_resume(mixed):
+    make_feed = make(mixed, "concat", 0)
+    feed = make_feed(None)
+    states = []
+    for _ in range(150):
+        states.append(feed.state())
+        feed.next_step()
+    straight = [(r.file, r.record) for r in feed.rejects]
+    assert len(straight) == 2
+    for k in (5, 20, 60):
+        first = make_feed(None)
+        for _ in range(k):
+            first.next_step()
+        before = [(r.file, r.record) for r in first.rejects]
+        resumed = make_feed(states[k])
+        for _ in range(150 - k):
+            resumed.next_step()
+        assert before + [(r.file, r.record) for r in resumed.rejects] == straight
+
+
+def test_config_mismatch_is_an_error_unless_allowed(mixed):
+    feed = make(mixed, "bfd", 0)(None)
+    feed.next_step()
+    state = feed.state()
+    other = make(mixed, "bfd", 0, schedule=[{"step": 50, "weights": {"code": 1}}])
+    with pytest.raises(StateError, match="allow-config-change"):
+        other(state)
+    cfg = parse_config({**json.loads(json.dumps({})), "seq_len": 96, "global_batch_size": 4,
+                        "packing": {"mode": "bfd", "buffer": 12}, "shuffle": {"window": 5},
+                        "read": {"block_bytes": 8000, "first_block_bytes": 2000},
+                        "mixing": {"on_exhausted": "renormalize"},
+                        "streams": {"code": {"paths": [str(mixed / "code.jsonl")], "weight": 3, "repeat": 2},
+                                    "prose": {"paths": [str(mixed / "prose.jsonl")], "weight": 5},
+                                    "chat": {"kind": "chat", "paths": [str(mixed / "chat.jsonl")], "weight": 1}}})  # fmt: skip
+    resumed = Feed(cfg, local=True, state=state, allow_config_change=True)
+    hist = resumed.summary()["mixture_history"]
+    assert hist[-1]["step"] == 1 and hist[-1]["source"] == "resume"
+    assert resumed.next_step() is not None
