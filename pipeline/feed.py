@@ -265,25 +265,41 @@ def rank_slice(
     return part.replace_schema_metadata(meta)
 
 
+def next_steps(
+    feed: Feed, n: int, state_every: int = 0
+) -> list[tuple[pa.RecordBatch, dict | None]]:
+    """Up to `n` steps, each with the state after it when its number of done steps is a
+    multiple of `state_every` (the state a resumed run needs to continue right after it)."""
+    out = []
+    for _ in range(n):
+        batch = feed.next_step()
+        if batch is None:
+            break
+        state = feed.state() if state_every and feed.step % state_every == 0 else None
+        out.append((batch, state))
+    return out
+
+
 class FeedActor:
     """A Feed inside a Ray actor. Steps are returned in groups to amortize the call cost."""
 
-    def __init__(self, cfg_json: dict):
+    def __init__(
+        self, cfg_json: dict, state: dict | None = None, allow_config_change: bool = False
+    ):
         from pipeline.config import Config
 
-        self.feed = Feed(Config.model_validate(cfg_json))
+        self.feed = Feed(
+            Config.model_validate(cfg_json), state=state, allow_config_change=allow_config_change
+        )
 
     def ready(self) -> bool:
         return True
 
-    def next_steps(self, n: int) -> list[pa.RecordBatch]:
-        out = []
-        for _ in range(n):
-            batch = self.feed.next_step()
-            if batch is None:
-                break
-            out.append(batch)
-        return out
+    def next_steps(self, n: int, state_every: int = 0) -> list[tuple[pa.RecordBatch, dict | None]]:
+        return next_steps(self.feed, n, state_every)
+
+    def state(self) -> dict:
+        return self.feed.state()
 
     def set_weights(self, weights: dict[str, float], effective_step: int | None = None) -> int:
         return self.feed.set_weights(weights, effective_step)

@@ -50,13 +50,20 @@ def cmd_export(args) -> int:
     from service.export import run_export
 
     cfg = load_config(args.config)
+    resume = None
+    if args.resume:
+        try:
+            resume = json.loads(Path(args.resume).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--resume {args.resume}: cannot read the state: {e}") from None
     if not args.local:
         from service.cluster import connect
 
         connect(args.address)
     summary = run_export(
         cfg, args.out, steps=args.steps, world_size=args.world_size, fmt=args.format,
-        local=args.local, progress=_progress(),
+        local=args.local, progress=_progress(), state_every=args.state_every or 0,
+        resume=resume, allow_config_change=args.allow_config_change,
     )  # fmt: skip
     _print_summary(summary)
     print(
@@ -127,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--address", default=None, help="Ray cluster address (default: embedded local Ray)"
     )
+    e.add_argument(
+        "--state-every", type=int, default=0, help="write DIR/state-N.json every K steps"
+    )
+    e.add_argument("--resume", default=None, help="continue from a state-N.json")
+    e.add_argument("--allow-config-change", action="store_true",
+                   help="resume a state written by a different config (logged)")  # fmt: skip
     e.add_argument("--local", action="store_true", help="run in-process without Ray (debugging)")
     e.set_defaults(func=cmd_export)
 

@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import Config
-from pipeline.feed import Feed, FeedActor, rank_slice
+from pipeline.feed import Feed, FeedActor, check_state, next_steps, rank_slice
 
 STEPS_PER_CALL = 4
 
@@ -42,17 +42,12 @@ def _write(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
 class _LocalFeed:
     """The same interface as the actor, in-process (`--local`, tests, `check`)."""
 
-    def __init__(self, cfg: Config):
-        self.feed = Feed(cfg, local=True)
+    def __init__(self, cfg: Config, state=None, allow_config_change=False, state_every=0):
+        self.feed = Feed(cfg, local=True, state=state, allow_config_change=allow_config_change)
+        self.state_every = state_every
 
     def next_steps(self, n, prefetch=0):
-        out = []
-        for _ in range(n):
-            b = self.feed.next_step()
-            if b is None:
-                break
-            out.append(b)
-        return out
+        return next_steps(self.feed, n, self.state_every)
 
     def drain_rejects(self):
         out = [r.as_dict() for r in self.feed.rejects]
@@ -64,18 +59,21 @@ class _LocalFeed:
 
 
 class _RemoteFeed:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, state=None, allow_config_change=False, state_every=0):
         import ray
 
         actor_cls = ray.remote(num_cpus=0, max_restarts=0)(FeedActor)
-        self.actor = actor_cls.remote(cfg.model_dump(mode="json"))
+        self.actor = actor_cls.remote(cfg.model_dump(mode="json"), state, allow_config_change)
+        self.state_every = state_every
         self._ray = ray
         self._pending = None
 
     def next_steps(self, n, prefetch=0):
         # Keep one request in flight: the feed packs the next steps while the driver writes.
-        ref = self._pending or self.actor.next_steps.remote(n)
-        self._pending = self.actor.next_steps.remote(prefetch) if prefetch else None
+        ref = self._pending or self.actor.next_steps.remote(n, self.state_every)
+        self._pending = (
+            self.actor.next_steps.remote(prefetch, self.state_every) if prefetch else None
+        )
         try:
             return self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as e:
@@ -101,8 +99,16 @@ def run_export(
     fmt: str = "parquet",
     local: bool = False,
     progress=None,
+    state_every: int = 0,
+    resume: dict | None = None,
+    allow_config_change: bool = False,
 ) -> dict:
-    """Export up to `steps` global steps (all the data when None); return the summary."""
+    """Export up to `steps` global steps (all the data when None); return the summary.
+
+    With `state_every` K, ``DIR/state-00000012.json`` is written whenever 12 steps (a multiple
+    of K) are done: resuming from it continues with step 12. With `resume`, the run continues
+    from such a state and step numbers carry on from it.
+    """
     if cfg.global_batch_size % world_size:
         raise ValueError(
             f"--world-size {world_size} does not divide global_batch_size {cfg.global_batch_size}"
@@ -110,7 +116,9 @@ def run_export(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    feed = _LocalFeed(cfg) if local else _RemoteFeed(cfg)
+    if resume is not None:  # fail here, with a clear message, not inside the actor
+        check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change)
+    feed = (_LocalFeed if local else _RemoteFeed)(cfg, resume, allow_config_change, state_every)
     written = 0
     tokens = 0
     first_at = None
@@ -125,11 +133,14 @@ def run_export(
                     STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - written - want)
                 )
                 batches = feed.next_steps(want, prefetch=after)
-                for batch in batches:
+                for batch, state in batches:
                     step = int(batch.schema.metadata[b"global_step"])
                     for r in range(world_size):
                         part = rank_slice(batch, r, world_size, cfg.global_batch_size)
                         _write(part, step_path(out, step, r, fmt), fmt)
+                    if state is not None:
+                        path = out / f"state-{state['step']:08d}.json"
+                        path.write_text(json.dumps(state, separators=(",", ":")) + "\n")
                     tokens += int(pc.sum(pc.list_flatten(batch.column("seq_lens"))).as_py() or 0)
                     written += 1
                     if first_at is None:
