@@ -50,12 +50,7 @@ def cmd_export(args) -> int:
     from service.export import run_export
 
     cfg = load_config(args.config)
-    resume = None
-    if args.resume:
-        try:
-            resume = json.loads(Path(args.resume).read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"--resume {args.resume}: cannot read the state: {e}") from None
+    resume = _read_state(args.resume)
     if not args.local:
         from service.cluster import connect
 
@@ -70,6 +65,25 @@ def cmd_export(args) -> int:
         f"wrote {args.out}/ (summary.json, rejects.jsonl: {summary['rejects_written']} skipped records)"
     )
     return 0
+
+
+def _read_state(path: str | None) -> dict | None:
+    if not path:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume {path}: cannot read the state: {e}") from None
+
+
+def cmd_serve(args) -> int:
+    from service.serve import run_serve
+
+    cfg = load_config(args.config)
+    return run_serve(
+        cfg, resume=_read_state(args.resume), address=args.address, host=args.host,
+        port=args.port, name=args.name, allow_config_change=args.allow_config_change,
+    )  # fmt: skip
 
 
 def cmd_check(args) -> int:
@@ -124,6 +138,22 @@ def cmd_demo(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
+
+    v = sub.add_parser("serve", help="run the service: batch server + control API")
+    v.add_argument("--config", required=True)
+    v.add_argument(
+        "--resume", default=None, help="start from a state (GET /v1/state, state-N.json)"
+    )
+    v.add_argument(
+        "--address", default=None, help="Ray cluster address (default: embedded local Ray)"
+    )
+    v.add_argument("--host", default=None, help="API bind address (default: config, 127.0.0.1)")
+    v.add_argument("--port", type=int, default=None)
+    v.add_argument(
+        "--name", default="tokenmill", help="the service (actor) name trainers connect to"
+    )
+    v.add_argument("--allow-config-change", action="store_true")
+    v.set_defaults(func=cmd_serve)
 
     e = sub.add_parser("export", help="write the served batch sequence to files")
     e.add_argument("--config", required=True)
