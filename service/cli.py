@@ -135,6 +135,14 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_corpus(args) -> int:
+    from service.demo_corpus import build_demo_corpus
+
+    out = build_demo_corpus(args.out)
+    print(f"demo corpus in {out}: code.jsonl (pretrain), chat.jsonl (chat)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -182,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--docs", type=int, default=2000)
     s.add_argument("--json", default=None)
     s.set_defaults(func=cmd_stats)
+
+    k = sub.add_parser(
+        "corpus", help="write the demo corpus (from the standard library) to a directory"
+    )
+    k.add_argument("--out", default="data/demo")
+    k.set_defaults(func=cmd_corpus)
 
     d = sub.add_parser("demo", help="the main job on the embedded default")
     d.add_argument("--steps", type=int, default=60)

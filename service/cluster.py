@@ -18,7 +18,8 @@ def connect(
 
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("TOKENMILL_RAY_ADDRESS")
+    # Under `ray job submit` the job supervisor sets RAY_ADDRESS: join that cluster.
+    address = address or os.environ.get("TOKENMILL_RAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
     kwargs = dict(
         namespace=NAMESPACE,
         runtime_env={"env_vars": dict(WORKER_ENV)},

@@ -1,26 +1,40 @@
 """`tokenmill demo`: the main job on the embedded default.
 
-Builds the demo corpus (service/demo_corpus.py), starts an embedded local Ray, and runs the
-data plane over it for a bounded number of steps, printing the summary: tokens/s, packing
-efficiency, and the realized mixture against the target.
+1. Builds the demo corpus from the standard library (service/demo_corpus.py): module sources
+   as a pretraining stream, function/docstring pairs as a chat stream.
+2. Starts an embedded local Ray and the tokenmill service on it (batch server actor), mixing
+   the two streams 70/30 by tokens.
+3. Runs the thin trainer as two CPU ranks under torchrun (gloo) for `--steps` steps; the
+   ranks pull their rows from the service through `trainer.feed.Feed`.
+4. Prints the summary: tokens/s, packing efficiency, realized mixture against target,
+   data-wait fraction, first and last loss. Leaves no process behind.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 from pipeline.config import parse_config
 from service.demo_corpus import build_demo_corpus
 
+RANKS = 2
+
 
 def demo_config(corpus: Path) -> dict:
     return {
         "seed": 1234,
-        "seq_len": 1024,
-        "global_batch_size": 16,
+        # Small rows: on two shared CPU cores the 100k-vocabulary LM head dominates a step.
+        "seq_len": 256,
+        "global_batch_size": 4,
         "tokenizer": {"name": "default"},
-        "packing": {"mode": "bfd", "buffer": 256, "overflow": "split"},
+        "packing": {"mode": "bfd", "buffer": 128, "overflow": "split"},
+        "shuffle": {"window": 64},
         "on_error": "skip",
         "streams": {
             "code": {"kind": "pretrain", "paths": [str(corpus / "code.jsonl")], "weight": 0.7},
@@ -29,26 +43,95 @@ def demo_config(corpus: Path) -> dict:
     }
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_demo(steps: int = 60, out: str | None = None, address: str | None = None) -> dict:
-    from service.cli import _print_summary, _progress
+    import ray
+
     from service.cluster import connect
-    from service.export import run_export
+    from service.serve import start_server
 
     corpus = build_demo_corpus()
-    print(f"demo corpus: {corpus}")
+    print(f"demo corpus: {corpus}", flush=True)
     cfg = parse_config(demo_config(corpus))
     started = connect(address)
+    name = f"tokenmill-demo-{os.getpid()}"
+    actor = start_server(cfg, name=name, prefetch=16)
+    gcs = ray.get_runtime_context().gcs_address
+    work = Path(out or tempfile.mkdtemp(prefix="tokenmill-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    log_json = work / "train.jsonl"
+    log_json.unlink(missing_ok=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "trainer.train", "--service", name, "--address", gcs, "--steps", str(steps),
+        "--lr", "2e-3", "--log-json", str(log_json),
+    ]  # fmt: skip
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENMILL_RAY_LOGS": "0"}
     try:
-        with tempfile.TemporaryDirectory(prefix="tokenmill-demo-") as tmp:
-            summary = run_export(cfg, out or tmp, steps=steps, world_size=2, progress=_progress())
+        print(
+            f"trainer: {RANKS} CPU ranks (gloo) x {steps} steps, pulling from service {name!r}",
+            flush=True,
+        )
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        lines = proc.stdout.splitlines()
+        for line in lines:
+            head = line.split(" ", 1)[0]
+            if line.startswith("global batch") or (
+                head.startswith("step=") and (int(head[5:]) % 10 == 0 or head == "step=1")
+            ):
+                print("  " + line, flush=True)
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"the trainer failed (exit {proc.returncode}); its output:\n"
+                + "\n".join(lines[-30:])
+            )
+        train = next(
+            json.loads(line)["summary"] for line in reversed(lines) if line.startswith('{"summary"')
+        )
+        metrics = ray.get(actor.metrics.remote(), timeout=30)
     finally:
+        ray.kill(actor)
         if started:
-            import ray
-
             ray.shutdown()
-    _print_summary(summary)
     mixture = {
-        name: {"target": st["target_share"], "realized": st["realized_share"]}
-        for name, st in summary["streams"].items()
+        n: {"target": s["target_share"], "realized": s["realized_share"]}
+        for n, s in metrics["streams"].items()
     }
-    return summary | {"mixture": mixture}
+    summary = {
+        "steps": train["steps"],
+        "tokens_per_s": train["tokens_per_s"],
+        "service_tokens_per_s": metrics["tokens_per_s"],
+        "packing_efficiency": metrics["packing_efficiency"],
+        "data_wait_fraction": train["data_wait_fraction"],
+        "data_wait_fraction_all_steps": train["data_wait_fraction_all_steps"],
+        "first_step_wait_s": train["first_step_wait_s"],
+        "mixture": mixture,
+        "loss_first": train["loss_first"],
+        "loss_last": train["loss_last"],
+        "streams": metrics["streams"],
+        "train_log": str(log_json),
+    }
+    print_demo_summary(summary)
+    return summary
+
+
+def print_demo_summary(s: dict) -> None:
+    print()
+    print(f"steps              {s['steps']}")
+    print(f"trained tokens/s   {s['tokens_per_s']:,.0f}")
+    print(f"packing            {100 * s['packing_efficiency']:.2f}% real tokens")
+    print(f"data wait          {100 * s['data_wait_fraction']:.2f}% of step time (steady state; "
+          f"first step waited {s['first_step_wait_s']:.1f}s for the service to start)")  # fmt: skip
+    print(f"loss               {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
+    print(f"{'stream':<10}{'target':>8}{'realized':>10}{'tokens':>12}{'docs':>8}{'skipped':>9}")
+    for name, m in s["mixture"].items():
+        st = s["streams"][name]
+        print(
+            f"{name:<10}{m['target']:>8.3f}{m['realized']:>10.3f}{st['tokens']:>12,}{st['docs']:>8,}{st['skipped']:>9,}"
+        )

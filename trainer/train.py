@@ -1,0 +1,265 @@
+"""The thin DDP trainer: pull packed rows from the feed, train a small Llama, log, checkpoint.
+
+    torchrun --nproc-per-node N -m trainer.train --service tokenmill --steps S \
+        [--address ADDR] [--grad-accum K] [--lr LR] [--checkpoint DIR] [--resume] \
+        [--log-json PATH]
+
+The only data code here is the feed client (SPEC §3.4). One optimizer step consumes
+`grad_accum` micro-batches per rank. The loss is token-weighted: every labelled token of the
+global step (all micro-batches, all ranks) counts once, so K micro-batches of B rows give the
+same update as one batch of K*B rows whatever the number of real tokens per micro-batch. That
+costs one tiny all_reduce of the token count before the backward passes; the count is needed
+for tokens/s anyway. Without torchrun (no WORLD_SIZE in the environment) it runs as one
+process without DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.model import IGNORE_INDEX, forward_packed, packed_loss, small_llama
+
+TENSOR_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(values: list[float], device: torch.device) -> list[float]:
+    """Sum small scalars over ranks (identity without a process group)."""
+    if _world()[1] == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def train(
+    model: torch.nn.Module,
+    batches: Iterator[dict],
+    steps: int,
+    grad_accum: int,
+    optimizer: torch.optim.Optimizer,
+    log: Callable[[dict], None],
+    report_wait: Callable[[float], None] | None = None,
+    on_step: Callable[[int], None] | None = None,
+    start_step: int = 0,
+) -> dict:
+    """Run optimizer steps `start_step + 1 .. steps` (fewer if `batches` ends); summarize.
+
+    `log` gets one dict per step (every rank calls it; `main` prints on rank 0 only);
+    `report_wait` gets the seconds this rank was blocked in `next(batches)`; `on_step` gets
+    the step number after the optimizer step (checkpointing).
+    """
+    rank, world = _world()
+    device = next(model.parameters()).device
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    model.train()
+    losses, total_wait, total_time, total_tokens = [], 0.0, 0.0, 0.0
+    first_wait = first_time = 0.0  # step 1 waits for the service to start: reported apart
+    for step in range(start_step + 1, steps + 1):
+        t0 = time.perf_counter()
+        micro, wait = [], 0.0
+        for _ in range(grad_accum):
+            tw = time.perf_counter()
+            batch = next(batches, None)
+            wait += time.perf_counter() - tw
+            if batch is None:
+                break
+            micro.append(batch)
+        if len(micro) < grad_accum:  # every rank runs out at the same global step
+            if rank == 0:
+                print(f"the feed ended after step {step - 1}; dropped {len(micro)} micro-batches")
+            break
+        if step == start_step + 1 and rank == 0:
+            rows = micro[0]["input_ids"].shape[0]
+            print(
+                f"global batch = {rows} x {world} x {grad_accum} = {rows * world * grad_accum} rows"
+            )
+        local = [int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro]
+        (tokens,) = _all_reduce([float(sum(local))], device)
+        # DDP averages gradients over ranks, so scale by world to get sum / global tokens.
+        scale = world / max(tokens, 1.0)
+        loss_sum = 0.0
+        for i, batch in enumerate(micro):
+            b = {k: batch[k].to(device, non_blocking=True) for k in TENSOR_KEYS}
+            last = i == grad_accum - 1
+            sync = nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
+            with sync:
+                with amp:
+                    logits = forward_packed(
+                        model,
+                        b["input_ids"],
+                        b["position_ids"],
+                        b["segment_ids"],
+                        batch.get("seq_lens"),
+                    )
+                    mean, count = packed_loss(logits, b["labels"])
+                (mean * count * scale).backward()
+            loss_sum += float(mean.detach()) * count
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        (loss_sum,) = _all_reduce([loss_sum], device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_time = time.perf_counter() - t0
+        if report_wait is not None:
+            report_wait(wait)
+        loss = loss_sum / max(tokens, 1.0)
+        losses.append(loss)
+        if len(losses) == 1:
+            first_wait, first_time = wait, step_time
+        total_wait += wait
+        total_time += step_time
+        total_tokens += tokens
+        log(
+            {
+                "step": step,
+                "step_time_s": round(step_time, 6),
+                "data_wait_s": round(wait, 6),
+                "tokens_per_s": round(tokens / step_time, 1),
+                "loss": round(loss, 6),
+            }
+        )
+        if on_step is not None:
+            on_step(step)
+    return {
+        "steps": len(losses),
+        "last_step": start_step + len(losses),
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
+        # Steady state: every step after the first (whose wait includes the service start-up).
+        "data_wait_fraction": (total_wait - first_wait) / (total_time - first_time)
+        if total_time > first_time
+        else 0.0,
+        "data_wait_fraction_all_steps": total_wait / total_time if total_time else 0.0,
+        "first_step_wait_s": first_wait,
+        "tokens_per_s": total_tokens / total_time if total_time else 0.0,
+    }
+
+
+def save_checkpoint(path: Path, model, optimizer, feed_state: dict, step: int) -> None:
+    """Model, optimizer and feed state in one file, written atomically (tmp + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "step": step,
+        "model": getattr(model, "module", model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "feed": json.dumps(feed_state),
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict]:
+    """Restore model and optimizer in place; return (step, feed_state)."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    getattr(model, "module", model).load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    return state["step"], json.loads(state["feed"])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="trainer.train", description=__doc__.splitlines()[0])
+    p.add_argument("--service", default="tokenmill", help="name of the tokenmill service")
+    p.add_argument("--address", default=None, help="Ray address (default: auto)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps in total")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--vocab-size", type=int, default=100_277, help="tokenizer vocab size")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint directory")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between saves")
+    p.add_argument("--resume", action="store_true", help="resume from --checkpoint")
+    p.add_argument("--log-json", type=Path, default=None, help="append one JSON line per step")
+    args = p.parse_args(argv)
+    if args.resume and args.checkpoint is None:
+        p.error("--resume needs --checkpoint DIR")
+    if args.steps < 1 or args.grad_accum < 1:
+        p.error(f"--steps and --grad-accum must be >= 1, got {args.steps}, {args.grad_accum}")
+
+    from trainer.feed import Feed
+
+    distributed = "WORLD_SIZE" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = _world()
+
+    torch.manual_seed(args.seed)
+    model = small_llama(vocab_size=args.vocab_size, hidden=args.hidden, layers=args.layers)
+    model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ckpt = args.checkpoint / CHECKPOINT_FILE if args.checkpoint else None
+    start_step, feed_state = 0, None
+    if args.resume:
+        start_step, feed_state = load_checkpoint(ckpt, model, optimizer)
+        if rank == 0:
+            print(f"resumed from {ckpt} at step {start_step}")
+    ddp = DDP(model, device_ids=[local_rank] if cuda else None) if distributed else model
+    feed = Feed.connect(
+        service=args.service, rank=rank, world_size=world, address=args.address, state=feed_state
+    )
+
+    def log(record: dict) -> None:
+        if rank != 0:
+            return
+        print(" ".join(f"{k}={v}" for k, v in record.items()), flush=True)
+        if args.log_json:
+            with open(args.log_json, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    saved = [start_step]
+
+    def on_step(step: int) -> None:
+        # Every rank has consumed the same global steps, so rank 0's feed state is the run's.
+        if ckpt and rank == 0 and step % args.checkpoint_every == 0:
+            save_checkpoint(ckpt, model, optimizer, feed.state_dict(), step)
+            saved[0] = step
+
+    try:
+        summary = train(
+            ddp,
+            iter(feed),
+            args.steps,
+            args.grad_accum,
+            optimizer,
+            log,
+            report_wait=feed.report_wait,
+            on_step=on_step,
+            start_step=start_step,
+        )
+        if ckpt and rank == 0 and summary["last_step"] > saved[0]:  # the final state
+            save_checkpoint(ckpt, model, optimizer, feed.state_dict(), summary["last_step"])
+    finally:
+        feed.close()
+        if distributed:
+            dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"summary": summary}))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
