@@ -1,0 +1,97 @@
+"""The thin trainer under torchrun against a real service: smoke, resume, and the demo."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.config import parse_config
+from service.serve import start_server
+from tests.conftest import stdlib_texts, write_jsonl
+from tests.test_serve import free_port
+
+pytestmark = pytest.mark.slow
+SMALL = ["--hidden", "32", "--layers", "1", "--lr", "3e-3"]
+
+
+@pytest.fixture
+def make_service(ray_cluster, tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", stdlib_texts(20, max_bytes=3000))
+    cfg = parse_config({"seed": 5, "seq_len": 64, "global_batch_size": 4, "shuffle": {"window": 4},
+                        "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}})  # fmt: skip
+    actors = []
+
+    def make(name):
+        actors.append(start_server(cfg, name=name, prefetch=4))
+        return name
+
+    yield make
+    for a in actors:
+        ray_cluster.kill(a)
+
+
+def torchrun(ray_cluster, ranks, service, *args):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           "-m", "trainer.train", "--service", service,
+           "--address", ray_cluster.get_runtime_context().gcs_address, *SMALL, *args]  # fmt: skip
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"}
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def losses(path):
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, path.read_text().splitlines())}
+
+
+def test_two_rank_torchrun_smoke(ray_cluster, make_service, tmp_path):
+    out = torchrun(ray_cluster, 2, make_service(f"smoke{os.getpid()}"), "--steps", "3",
+                   "--log-json", str(tmp_path / "log.jsonl"))  # fmt: skip
+    assert "global batch = 2 x 2 x 1 = 4 rows" in out
+    recs = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert all({"step_time_s", "data_wait_s", "tokens_per_s", "loss"} <= r.keys() for r in recs)
+    summary = json.loads(next(x for x in out.splitlines() if x.startswith('{"summary"')))["summary"]
+    assert summary["steps"] == 3 and summary["loss_first"] > 0
+
+
+def test_checkpoint_resume_continues_with_the_same_batches(ray_cluster, make_service, tmp_path):
+    torchrun(ray_cluster, 2, make_service(f"straight{os.getpid()}"), "--steps", "6",
+             "--log-json", str(tmp_path / "straight.jsonl"))  # fmt: skip
+    service = make_service(f"resumed{os.getpid()}")
+    ckpt = str(tmp_path / "ckpt")
+    torchrun(ray_cluster, 2, service, "--steps", "3", "--checkpoint", ckpt,
+             "--log-json", str(tmp_path / "first.jsonl"))  # fmt: skip
+    torchrun(ray_cluster, 2, service, "--steps", "6", "--checkpoint", ckpt, "--resume",
+             "--log-json", str(tmp_path / "second.jsonl"))  # fmt: skip
+    straight, first, second = (
+        losses(tmp_path / f) for f in ("straight.jsonl", "first.jsonl", "second.jsonl")
+    )
+    assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
+    for step in range(1, 7):
+        assert (first | second)[step] == pytest.approx(straight[step], rel=1e-5), step
+
+
+def test_demo_main_job_summary(ray_cluster, tmp_path):
+    address = ray_cluster.get_runtime_context().gcs_address
+    r = subprocess.run([sys.executable, "-m", "service", "demo", "--steps", "3", "--address", address,
+                        "--json", str(tmp_path / "s.json"), "--out", str(tmp_path / "work")],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads((tmp_path / "s.json").read_text())
+    for key in (
+        "tokens_per_s",
+        "packing_efficiency",
+        "data_wait_fraction",
+        "mixture",
+        "loss_first",
+        "loss_last",
+    ):
+        assert key in s
+    assert set(s["mixture"]) == {"code", "chat"} and s["steps"] == 3
+    assert s["mixture"]["code"]["target"] == pytest.approx(0.7)
+    assert "packing" in r.stdout and "data wait" in r.stdout
