@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     e.add_argument("--steps", type=int, default=None, help="global steps to write (default: all)")
     e.add_argument("--world-size", type=int, default=1)
-    e.add_argument("--format", choices=["parquet", "arrow"], default="parquet")
+    e.add_argument("--format", choices=["parquet", "arrow", "mds"], default="parquet")
     e.add_argument(
         "--address", default=None, help="Ray cluster address (default: embedded local Ray)"
     )

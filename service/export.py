@@ -25,8 +25,49 @@ STEPS_PER_CALL = 4
 
 
 def step_path(out: Path, step: int, rank: int, fmt: str) -> Path:
-    ext = {"parquet": "parquet", "arrow": "arrow"}[fmt]
+    ext = {"parquet": "parquet", "arrow": "arrow"}[fmt]  # mds: one dataset, see _MdsSink
     return out / f"step-{step:08d}-rank-{rank}.{ext}"
+
+
+MDS_COLUMNS = {
+    "tokens": "ndarray:int32",  # input_ids up to the row's real length (LLM-Foundry's column)
+    "input_ids": "ndarray:int32",
+    "labels": "ndarray:int32",
+    "position_ids": "ndarray:int32",
+    "segment_ids": "ndarray:int32",
+    "seq_lens": "ndarray:int32",
+    "global_step": "int",
+}
+
+
+class _MdsSink:
+    """All rows in global order into one MDS dataset at DIR/mds (world-size independent)."""
+
+    def __init__(self, out: Path):
+        from streaming import MDSWriter
+
+        self.writer = MDSWriter(out=str(out / "mds"), columns=MDS_COLUMNS, exist_ok=True)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        import numpy as np
+
+        step = int(batch.schema.metadata[b"global_step"])
+        n, cols = batch.num_rows, {}
+        for name in ("input_ids", "labels", "position_ids", "segment_ids"):
+            col = batch.column(name)
+            cols[name] = col.values.to_numpy().reshape(n, col.type.list_size)
+        lens = batch.column("seq_lens").to_pylist()
+        for i in range(n):
+            real = int(sum(lens[i]))
+            self.writer.write({
+                "tokens": cols["input_ids"][i, :real].copy(),
+                **{k: v[i].copy() for k, v in cols.items()},
+                "seq_lens": np.asarray(lens[i], dtype=np.int32),
+                "global_step": step,
+            })  # fmt: skip
+
+    def close(self) -> None:
+        self.writer.finish()
 
 
 def _write(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
@@ -125,6 +166,7 @@ def run_export(
     first_tokens = 0
     rejects_path = out / "rejects.jsonl"
     rejects_n = 0
+    mds = _MdsSink(out) if fmt == "mds" else None
     try:
         with open(rejects_path, "w") as rejects:
             while steps is None or written < steps:
@@ -135,7 +177,9 @@ def run_export(
                 batches = feed.next_steps(want, prefetch=after)
                 for batch, state in batches:
                     step = int(batch.schema.metadata[b"global_step"])
-                    for r in range(world_size):
+                    if mds is not None:
+                        mds.write(batch)
+                    for r in range(world_size if mds is None else 0):
                         part = rank_slice(batch, r, world_size, cfg.global_batch_size)
                         _write(part, step_path(out, step, r, fmt), fmt)
                     if state is not None:
@@ -154,6 +198,8 @@ def run_export(
                     break
         summary = feed.summary()
     finally:
+        if mds is not None:
+            mds.close()
         if isinstance(feed, _RemoteFeed):
             feed.close()
     elapsed = time.monotonic() - started

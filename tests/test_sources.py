@@ -117,3 +117,45 @@ def test_special_token_text_is_not_a_special_token(tmp_path, tokenizer):
     write_jsonl(tmp_path / "d.jsonl", ["a <|endoftext|> b"])
     _, docs = export_local({"s": {"paths": [str(tmp_path / "d.jsonl")]}})
     assert docs[("s", 0)].tolist().count(tokenizer.eos_id) == 1  # only the appended EOS
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "mds"])
+def test_export_formats_hold_the_parquet_rows(tmp_path, fmt):
+    from service.export import run_export
+
+    write_jsonl(tmp_path / "d.jsonl", stdlib_texts(6, max_bytes=2000))
+    cfg = parse_config(
+        {
+            "seq_len": 128,
+            "global_batch_size": 2,
+            "streams": {"s": {"paths": [str(tmp_path / "d.jsonl")]}},
+        }
+    )
+    run_export(cfg, tmp_path / "p", local=True)
+    run_export(cfg, tmp_path / "o", local=True, fmt=fmt)
+    want = [
+        r
+        for f in sorted((tmp_path / "p").glob("step-*.parquet"))
+        for r in rows_of(pq.read_table(f))
+    ]
+    if fmt == "arrow":
+        got = [
+            r
+            for f in sorted((tmp_path / "o").glob("step-*.arrow"))
+            for r in rows_of(pa.ipc.open_file(f).read_all())
+        ]
+        assert got == want
+    else:
+        from streaming.base.format import reader_from_json
+
+        index = json.loads((tmp_path / "o" / "mds" / "index.json").read_text())
+        samples = []
+        for shard in index["shards"]:
+            reader = reader_from_json(str(tmp_path / "o" / "mds"), None, shard)
+            samples += [
+                reader.decode_sample(reader.get_sample_data(i)) for i in range(shard["samples"])
+            ]
+        assert len(samples) == len(want)
+        for s, r in zip(samples, want, strict=True):
+            assert s["input_ids"].tolist() == r["input_ids"] and s["labels"].tolist() == r["labels"]
+            assert s["tokens"].tolist() == r["input_ids"][: sum(r["seq_lens"])]
