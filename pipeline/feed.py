@@ -23,6 +23,7 @@ from pipeline.documents import Cursor, Reject, StreamDocs
 from pipeline.mixing import DeficitMixer
 from pipeline.packing import make_packer
 from pipeline.schema import build_batch, with_metadata
+from pipeline.stats import describe_lengths
 from pipeline.tokenization import load_tokenizer
 
 
@@ -198,6 +199,7 @@ class Feed:
                 "target_share": float(target[i]),
                 "realized_share": realized[self.names[i]],
                 "epochs_started": c.epochs_started,
+                "length": describe_lengths(np.asarray(c.lengths, dtype=np.int64)),
             }
         return {
             "steps": self.step,
