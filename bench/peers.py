@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
 
 EOS = "<|endoftext|>"
 
@@ -203,44 +205,41 @@ def naive_ray_data(jsonl_path, L: int, n: int, batch_size: int = 64) -> dict:
     return {"tokens": tokens, "rows": rows, "elapsed_s": time.perf_counter() - start}
 
 
-def _packed_jsonl_dataset(path: str, L: int, tokenizer_file: str, docs_per_encode: int):
-    import torch
-    from torch.utils.data import IterableDataset, get_worker_info
+class PackedJsonl(IterableDataset):
+    """Each DataLoader worker reads every `num_workers`-th line, tokenizes and packs its rows."""
 
-    class PackedJsonl(IterableDataset):
-        """Each worker reads every `num_workers`-th line, tokenizes and packs its own rows."""
+    def __init__(self, path: str, L: int, tokenizer_file: str, docs_per_encode: int):
+        self.path, self.L, self.tokenizer_file = path, L, tokenizer_file
+        self.docs_per_encode = docs_per_encode
 
-        def __iter__(self):
-            from tokenizers import Tokenizer
+    def __iter__(self):
+        from tokenizers import Tokenizer
 
-            info = get_worker_info()
-            wid, nw = (info.id, info.num_workers) if info else (0, 1)
-            tok = Tokenizer.from_file(tokenizer_file)
-            eos = tok.token_to_id(EOS)
-            packer = ConcatPacker(L)
-            texts = []
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        tok = Tokenizer.from_file(self.tokenizer_file)
+        eos = tok.token_to_id(EOS)
+        packer = ConcatPacker(self.L)
+        texts = []
+        with open(self.path) as f:
+            for i, line in enumerate(f):
+                if i % nw != wid:
+                    continue
+                texts.append(json.loads(line)["text"])
+                if len(texts) == self.docs_per_encode:
+                    yield from self._rows(packer.add(_encode_flat(tok, eos, texts)[0]))
+                    texts = []
+        if texts:
+            yield from self._rows(packer.add(_encode_flat(tok, eos, texts)[0]))
+        last = packer.finish()
+        if len(last):
+            row = np.full(self.L, eos, dtype=np.int32)
+            row[: len(last)] = last
+            yield {"input_ids": torch.from_numpy(row), "real": len(last)}
 
-            def rows(flat):
-                for row in packer.add(flat):
-                    yield {"input_ids": torch.from_numpy(row), "real": L}
-
-            with open(path) as f:
-                for i, line in enumerate(f):
-                    if i % nw != wid:
-                        continue
-                    texts.append(json.loads(line)["text"])
-                    if len(texts) == docs_per_encode:
-                        yield from rows(_encode_flat(tok, eos, texts)[0])
-                        texts = []
-            if texts:
-                yield from rows(_encode_flat(tok, eos, texts)[0])
-            last = packer.finish()
-            if len(last):
-                row = np.full(L, eos, dtype=np.int32)
-                row[: len(last)] = last
-                yield {"input_ids": torch.from_numpy(row), "real": len(last)}
-
-    return PackedJsonl()
+    def _rows(self, full: np.ndarray):
+        for row in full:
+            yield {"input_ids": torch.from_numpy(row), "real": self.L}
 
 
 def torch_dataloader(
@@ -264,7 +263,7 @@ def torch_dataloader(
     start = time.perf_counter()
     from torch.utils.data import DataLoader
 
-    ds = _packed_jsonl_dataset(str(Path(jsonl_path)), L, _tokenizer_file(), docs_per_encode)
+    ds = PackedJsonl(str(Path(jsonl_path)), L, _tokenizer_file(), docs_per_encode)
     loader = DataLoader(ds, batch_size=batch_size, num_workers=num_workers)
     tokens = rows = 0
     for batch in loader:

@@ -80,13 +80,22 @@ def test_job_submit_serves_a_trainer(head, tmp_path):
                                    "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}}))  # fmt: skip
     port = free_port()
     job_id = f"tokenmill-test-{os.getpid()}-{port}"
-    submit = subprocess.run(
-        [RAY, "job", "submit", "--address", head["dashboard"], "--no-wait", "--submission-id", job_id,
-         "--working-dir", str(ROOT),
-         "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--",
-         "python", "-m", "service", "serve", "--config", str(cfg), "--port", str(port)],
-        capture_output=True, text=True, timeout=180, env=ENV,
-    )  # fmt: skip
+    deadline = time.time() + 120
+    while True:  # the node's job agent comes up a little after the dashboard port opens
+        submit = subprocess.run(
+            [RAY, "job", "submit", "--address", head["dashboard"], "--no-wait", "--submission-id", job_id,
+             "--working-dir", str(ROOT),
+             "--runtime-env-json", json.dumps({"excludes": EXCLUDES}), "--",
+             "python", "-m", "service", "serve", "--config", str(cfg), "--port", str(port)],
+            capture_output=True, text=True, timeout=180, env=ENV,
+        )  # fmt: skip
+        if (
+            submit.returncode == 0
+            or "try again later" not in submit.stderr
+            or time.time() > deadline
+        ):
+            break
+        time.sleep(2)
     assert submit.returncode == 0, submit.stdout + submit.stderr
 
     def logs() -> str:
