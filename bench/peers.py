@@ -15,6 +15,7 @@ Python loops), not as straw men: the comparison is only worth something if the p
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import tempfile
@@ -22,8 +23,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
 EOS = "<|endoftext|>"
 
@@ -106,13 +105,13 @@ def hf_datasets_trl(jsonl_path, L: int, num_proc: int, strategy: str = "bfd_spli
     (`datasets` fingerprints `map` and would otherwise skip the work).
     """
     _one_thread()
-    start = time.perf_counter()
     import datasets
     import pyarrow.compute as pc
     from transformers import PreTrainedTokenizerFast
     from trl import pack_dataset
 
     datasets.disable_progress_bars()
+    start = time.perf_counter()  # after the imports, as for every method: they are not work
     tok = PreTrainedTokenizerFast(tokenizer_file=_tokenizer_file(), eos_token=EOS)
     eos = tok.eos_token_id
 
@@ -172,8 +171,9 @@ def naive_ray_data(jsonl_path, L: int, n: int, batch_size: int = 64) -> dict:
     what makes it naive, and also what makes it a fair bar for the plumbing cost tokenmill adds.
 
     Ray must already be initialized (the suite connects once, with one tokenizer thread per
-    worker). The actors reserve one CPU each, so with `n` equal to the CPU count the read
-    tasks compete with them for slots, as they would for any user of this pattern.
+    worker). The actors reserve one CPU each; with `n` equal to the CPU count that is every
+    slot, so the read is declared with `num_cpus=0` (reading is light next to tokenizing).
+    Start-up (actor creation, each loading the tokenizer) is part of the figure.
     """
     _one_thread()
     import pyarrow.compute as pc
@@ -182,7 +182,9 @@ def naive_ray_data(jsonl_path, L: int, n: int, batch_size: int = 64) -> dict:
     if not ray.is_initialized():
         raise RuntimeError("naive_ray_data: connect to Ray first (service.cluster.connect())")
     start = time.perf_counter()
-    ds = ray.data.read_json(str(jsonl_path), lines=True).select_columns(["text"])
+    # The read takes no CPU slot: with `n` actors holding every slot, a read task that needs
+    # one is never scheduled and the pipeline deadlocks (Ray Data backpressures it forever).
+    ds = ray.data.read_json(str(jsonl_path), lines=True, num_cpus=0).select_columns(["text"])
     ds = ds.map_batches(
         _RayTokenize,
         fn_constructor_args=(_tokenizer_file(),),
@@ -205,41 +207,50 @@ def naive_ray_data(jsonl_path, L: int, n: int, batch_size: int = 64) -> dict:
     return {"tokens": tokens, "rows": rows, "elapsed_s": time.perf_counter() - start}
 
 
-class PackedJsonl(IterableDataset):
-    """Each DataLoader worker reads every `num_workers`-th line, tokenizes and packs its rows."""
+@functools.cache
+def _packed_jsonl_class():
+    """The torch dataset class, built on first use: importing torch at module level would make
+    every Ray Data actor (which imports this module to find `_RayTokenize`) import it too."""
+    import torch
+    from torch.utils.data import IterableDataset, get_worker_info
 
-    def __init__(self, path: str, L: int, tokenizer_file: str, docs_per_encode: int):
-        self.path, self.L, self.tokenizer_file = path, L, tokenizer_file
-        self.docs_per_encode = docs_per_encode
+    class PackedJsonl(IterableDataset):
+        """Each DataLoader worker reads every `num_workers`-th line, tokenizes, packs."""
 
-    def __iter__(self):
-        from tokenizers import Tokenizer
+        def __init__(self, path: str, L: int, tokenizer_file: str, docs_per_encode: int):
+            self.path, self.L, self.tokenizer_file = path, L, tokenizer_file
+            self.docs_per_encode = docs_per_encode
 
-        info = get_worker_info()
-        wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        tok = Tokenizer.from_file(self.tokenizer_file)
-        eos = tok.token_to_id(EOS)
-        packer = ConcatPacker(self.L)
-        texts = []
-        with open(self.path) as f:
-            for i, line in enumerate(f):
-                if i % nw != wid:
-                    continue
-                texts.append(json.loads(line)["text"])
-                if len(texts) == self.docs_per_encode:
-                    yield from self._rows(packer.add(_encode_flat(tok, eos, texts)[0]))
-                    texts = []
-        if texts:
-            yield from self._rows(packer.add(_encode_flat(tok, eos, texts)[0]))
-        last = packer.finish()
-        if len(last):
-            row = np.full(self.L, eos, dtype=np.int32)
-            row[: len(last)] = last
-            yield {"input_ids": torch.from_numpy(row), "real": len(last)}
+        def __iter__(self):
+            from tokenizers import Tokenizer
 
-    def _rows(self, full: np.ndarray):
-        for row in full:
-            yield {"input_ids": torch.from_numpy(row), "real": self.L}
+            info = get_worker_info()
+            wid, nw = (info.id, info.num_workers) if info else (0, 1)
+            tok = Tokenizer.from_file(self.tokenizer_file)
+            eos = tok.token_to_id(EOS)
+            packer = ConcatPacker(self.L)
+            texts = []
+            with open(self.path) as f:
+                for i, line in enumerate(f):
+                    if i % nw != wid:
+                        continue
+                    texts.append(json.loads(line)["text"])
+                    if len(texts) == self.docs_per_encode:
+                        yield from self._rows(packer.add(_encode_flat(tok, eos, texts)[0]))
+                        texts = []
+            if texts:
+                yield from self._rows(packer.add(_encode_flat(tok, eos, texts)[0]))
+            last = packer.finish()
+            if len(last):
+                row = np.full(self.L, eos, dtype=np.int32)
+                row[: len(last)] = last
+                yield {"input_ids": torch.from_numpy(row), "real": len(last)}
+
+        def _rows(self, full: np.ndarray):
+            for row in full:
+                yield {"input_ids": torch.from_numpy(row), "real": self.L}
+
+    return PackedJsonl
 
 
 def torch_dataloader(
@@ -260,10 +271,10 @@ def torch_dataloader(
     would first import torch again.
     """
     _one_thread()
-    start = time.perf_counter()
     from torch.utils.data import DataLoader
 
-    ds = PackedJsonl(str(Path(jsonl_path)), L, _tokenizer_file(), docs_per_encode)
+    start = time.perf_counter()
+    ds = _packed_jsonl_class()(str(Path(jsonl_path)), L, _tokenizer_file(), docs_per_encode)
     loader = DataLoader(ds, batch_size=batch_size, num_workers=num_workers)
     tokens = rows = 0
     for batch in loader:

@@ -304,7 +304,11 @@ class BfdPacker(Packer):
             while self.arrivals[s] < saved["arrivals"]:
                 pieces = self._pull(s)
                 if pieces is None:
-                    raise ValueError(f"resume: stream {self.mixer.names[s]!r} ended during replay")
+                    raise ValueError(
+                        f"resume: stream {self.mixer.names[s]!r} ended while replaying the "
+                        "documents its state buffers: its sources changed since the state was "
+                        "written (see the rejects)"
+                    )
                 pieces[0].doc.arrival = int(self.arrivals[s])
                 for p in pieces:
                     if int(self.arrivals[s]) in keep:
