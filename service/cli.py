@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--out", default="data/demo")
     k.set_defaults(func=cmd_corpus)
 
+    sub.add_parser("bench", help="the benchmark suite (options: --quick, --json PATH; see --help)")
+
     d = sub.add_parser("demo", help="the main job on the embedded default")
     d.add_argument("--steps", type=int, default=60)
     d.add_argument("--json", default=None)
@@ -207,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the suite parses its own options
+        from bench.suite import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "steps", None) is not None and args.steps < 1:
         print("error: --steps must be >= 1", file=sys.stderr)
