@@ -103,6 +103,18 @@ class Reject:
         }
 
 
+FIRST_WINDOW = 8
+
+
+def window_size(window: int, k: int) -> int:
+    """Window k of an epoch holds min(window, 8 * 2^k) documents.
+
+    The ramp lets the first documents of an epoch out after 8 are read instead of `window`
+    (the first batch comes sooner); from the fifth or so window on, windows are full size.
+    """
+    return min(window, FIRST_WINDOW << min(k, 40))
+
+
 class StreamDocs:
     """Iterate one stream's documents: `repeat` epochs, stopping early at `max_tokens`."""
 
@@ -189,7 +201,7 @@ class StreamDocs:
             rows = self._good_rows(epoch, *self._pos)
             while True:
                 at = Cursor(epoch, k, *self._pos, c.docs, c.tokens, c.skipped, 0)
-                window = [doc for _, doc in zip(range(W), rows, strict=False)]
+                window = [doc for _, doc in zip(range(window_size(W, k)), rows, strict=False)]
                 if not window:
                     break
                 order = (

@@ -70,6 +70,7 @@ class Feed:
             self.mixer,
             cfg.mixing.on_exhausted,
             cfg.packing.buffer,
+            ramp_rows=cfg.global_batch_size,
         )
         self.pad_id = load_tokenizer(cfg.tokenizer).pad_id
         self.step = 0

@@ -264,15 +264,26 @@ class ConcatPacker(Packer):
 
 
 class BfdPacker(Packer):
-    def __init__(self, *args, buffer: int = 512, **kwargs):
+    FIRST_POOL = 32
+
+    def __init__(self, *args, buffer: int = 512, ramp_rows: int = 1, **kwargs):
         super().__init__(*args, **kwargs)
         self.buffer = buffer
+        self.ramp_rows = max(1, ramp_rows)
+        self.rows = 0
         self.pools = [_Pool() for _ in self.sources]
         self.arrivals = np.zeros(len(self.sources), dtype=np.int64)
 
+    def _pool_target(self) -> int:
+        """The pool fills to 32 pieces for the first `ramp_rows` rows (a global step), then
+        doubles every `ramp_rows` rows up to `buffer`: the first step needs a few dozen pieces
+        per stream, not `buffer` of them. A pure function of the row count: deterministic."""
+        return min(self.buffer, self.FIRST_POOL << min(self.rows // self.ramp_rows, 40))
+
     def _top_up(self, s: int) -> None:
         pool = self.pools[s]
-        while len(pool) < self.buffer:
+        target = self._pool_target()
+        while len(pool) < target:
             pieces = self._pull(s)
             if pieces is None:
                 return
@@ -295,9 +306,10 @@ class BfdPacker(Packer):
             pools.append(
                 {"base": base, "arrivals": int(self.arrivals[s]), "pool": sorted(pool.items)}
             )
-        return out | {"pools": pools, "restart": restart}
+        return out | {"pools": pools, "restart": restart, "rows": self.rows}
 
     def _replay(self, state: dict) -> None:
+        self.rows = int(state["rows"])
         for s, saved in enumerate(state["pools"]):
             keep = set(saved["pool"])
             self.arrivals[s] = saved["base"]
@@ -356,12 +368,16 @@ class BfdPacker(Packer):
             row.append(piece)
             self.mixer.place(i, piece.length)
             room -= piece.length
+        self.rows += 1
         return row
 
 
 def make_packer(
-    mode: str, seq_len: int, overflow: str, sources, mixer, on_exhausted: str, buffer: int
-) -> Packer:
+    mode: str, seq_len: int, overflow: str, sources, mixer, on_exhausted: str, buffer: int,
+    ramp_rows: int = 1,
+) -> Packer:  # fmt: skip
     if mode == "concat":
         return ConcatPacker(seq_len, overflow, sources, mixer, on_exhausted)
-    return BfdPacker(seq_len, overflow, sources, mixer, on_exhausted, buffer=buffer)
+    return BfdPacker(
+        seq_len, overflow, sources, mixer, on_exhausted, buffer=buffer, ramp_rows=ramp_rows
+    )

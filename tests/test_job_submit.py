@@ -80,7 +80,7 @@ def test_job_submit_serves_a_trainer(head, tmp_path):
                                    "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}}))  # fmt: skip
     port = free_port()
     job_id = f"tokenmill-test-{os.getpid()}-{port}"
-    deadline = time.time() + 120
+    deadline = time.time() + 240
     while True:  # the node's job agent comes up a little after the dashboard port opens
         submit = subprocess.run(
             [RAY, "job", "submit", "--address", head["dashboard"], "--no-wait", "--submission-id", job_id,
