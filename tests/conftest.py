@@ -47,6 +47,17 @@ def ray_cluster():
         ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Tiny models: one intra-op thread is fastest and does not fight a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     from pipeline.config import TokenizerConfig

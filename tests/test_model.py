@@ -22,12 +22,8 @@ VOCAB = 512
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is fastest and does not fight a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(torch_one_thread):
+    """Tiny models: one intra-op thread (conftest's `torch_one_thread`)."""
 
 
 def packed_row(lens: list[int], length: int, seed: int = 0) -> dict:

@@ -17,12 +17,8 @@ TENSOR_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is fastest and does not fight a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(torch_one_thread):
+    """Tiny models: one intra-op thread (conftest's `torch_one_thread`)."""
 
 
 def synthetic_batches(seed: int, rows: int = ROWS, length: int = LENGTH):
