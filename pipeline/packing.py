@@ -356,6 +356,7 @@ class BfdPacker(Packer):
                 self.finished = True
             return None
         first = self._first_piece(s)
+        self._top_up(s)  # keep the pool full within the row: a stream of tiny pieces can fill it
         row: Row = [first]
         self.mixer.place(s, first.length)
         room = self.seq_len - first.length
@@ -365,6 +366,7 @@ class BfdPacker(Packer):
             if i is None:
                 break
             piece = self.pools[i].pop_largest_fitting(room)
+            self._top_up(i)
             row.append(piece)
             self.mixer.place(i, piece.length)
             room -= piece.length

@@ -58,7 +58,11 @@ def head():
     proc = subprocess.Popen(
         [RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
          "--num-cpus=1", "--object-store-memory=200000000", "--include-dashboard=true",
-         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}"],
+         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}",
+         # Its own agent ports: the session's cluster already holds the defaults (52365...),
+         # and a second agent that cannot bind leaves "No available agent to submit job".
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=ENV,
     )  # fmt: skip
     try:

@@ -111,4 +111,7 @@ def test_mixture_tracks_target_within_one_row_at_every_prefix(mode, weights, seq
         for seg in row:
             placed[seg.doc.stream] += seg.length
         err = np.abs(placed - w * placed.sum())
-        assert (err <= seq_len).all(), (placed, w)
+        # concat can cut anywhere: one row. bfd keeps pieces whole, so at a row's end the most
+        # behind stream may have no piece that fits; the bound found by search is under 2 rows.
+        bound = seq_len if mode == "concat" else 2 * seq_len
+        assert (err <= bound).all(), (placed, w)
