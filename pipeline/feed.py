@@ -287,12 +287,19 @@ class FeedActor:
     """A Feed inside a Ray actor. Steps are returned in groups to amortize the call cost."""
 
     def __init__(
-        self, cfg_json: dict, state: dict | None = None, allow_config_change: bool = False
+        self,
+        cfg_json: dict,
+        state: dict | None = None,
+        allow_config_change: bool = False,
+        local: bool = False,
     ):
         from pipeline.config import Config
 
         self.feed = Feed(
-            Config.model_validate(cfg_json), state=state, allow_config_change=allow_config_change
+            Config.model_validate(cfg_json),
+            local=local,
+            state=state,
+            allow_config_change=allow_config_change,
         )
 
     def ready(self) -> bool:

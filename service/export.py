@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import Config
-from pipeline.feed import Feed, FeedActor, check_state, next_steps, rank_slice
+from pipeline.feed import FeedActor, check_state, next_steps, rank_slice
 
 STEPS_PER_CALL = 4
 
@@ -80,23 +80,15 @@ def _write(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
     os.replace(tmp, path)
 
 
-class _LocalFeed:
-    """The same interface as the actor, in-process (`--local`, tests, `check`)."""
+class _LocalFeed(FeedActor):
+    """The actor's interface, in-process (`--local`, tests): the same methods, no Ray."""
 
     def __init__(self, cfg: Config, state=None, allow_config_change=False, state_every=0):
-        self.feed = Feed(cfg, local=True, state=state, allow_config_change=allow_config_change)
+        super().__init__(cfg.model_dump(mode="json"), state, allow_config_change, local=True)
         self.state_every = state_every
 
     def next_steps(self, n, prefetch=0):
         return next_steps(self.feed, n, self.state_every)
-
-    def drain_rejects(self):
-        out = [r.as_dict() for r in self.feed.rejects]
-        self.feed.rejects.clear()
-        return out
-
-    def summary(self):
-        return self.feed.summary()
 
 
 class _RemoteFeed:
