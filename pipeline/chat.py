@@ -106,6 +106,7 @@ class ChatEncoder:
             )
         self.tok = tok
         self.template = template
+        self.last_backend = 0  # tokenization.BACKEND_* of the last content batch
         inner = tok.tokenizer
         self._bos = inner.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         self._eos = inner.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
@@ -116,6 +117,9 @@ class ChatEncoder:
         }
 
     def _encode(self, texts: list[str], specials: bool) -> list[list[int]]:
+        if not specials:  # message content: the fast backend may take it, verified
+            flat, offsets, self.last_backend = self.tok.encode_verified(texts)
+            return [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
         inner = self.tok.tokenizer
         inner.encode_special_tokens = not specials
         try:

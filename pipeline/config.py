@@ -41,6 +41,12 @@ class TokenizerConfig(_Frozen):
     eos_id: int | None = Field(default=None, ge=0)
     pad_id: int | None = Field(default=None, ge=0)
     chat_template: str | None = None
+    # `auto` encodes with tiktoken where it is proven to give this tokenizer's ids (a probe at
+    # load, then `verify_fraction` of every batch re-encoded by HF and compared; a mismatch
+    # sends the batch to HF). `hf` never uses it; `tiktoken` makes a mismatch an error.
+    # Neither changes the batches, so neither is in the config hash.
+    backend: Literal["auto", "hf", "tiktoken"] = "auto"
+    verify_fraction: float = Field(default=0.01, gt=0, le=1)
 
 
 class PackingConfig(_Frozen):
@@ -167,7 +173,9 @@ class Config(_Frozen):
 
     def config_hash(self) -> str:
         """A stable hash of everything that shapes the batch sequence (not `service`)."""
-        data = self.model_dump(mode="json", exclude={"service"})
+        data = self.model_dump(
+            mode="json", exclude={"service": True, "tokenizer": {"backend", "verify_fraction"}}
+        )
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

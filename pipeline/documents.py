@@ -84,6 +84,8 @@ class StreamCounters:
     skipped: int = 0
     epochs_started: int = 0
     capped: bool = False
+    # tokens read per tokenizer backend (tokenization.BACKEND_NAMES); this run only, not state
+    backend_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
     lengths: list[int] = field(default_factory=list, repr=False)  # sampled doc lengths
 
 
@@ -237,6 +239,8 @@ class StreamDocs:
                 has_loss = loss_col.null_count < len(loss_col)
                 loss_values = loss_col.values.to_numpy() if has_loss else None
                 loss_offsets = loss_col.offsets.to_numpy() if has_loss else None
+                backends = batch.column("backend").to_numpy()
+                per_backend = c.backend_tokens
                 errors = batch.column("error")
                 bad = (
                     errors.is_valid().to_numpy(zero_copy_only=False)
@@ -260,6 +264,7 @@ class StreamDocs:
                     loss = loss_values[loss_offsets[i] : loss_offsets[i + 1]] if has_loss else None
                     c.docs += 1
                     c.tokens += int(b - a)
+                    per_backend[backends[i]] += int(b - a)
                     if len(c.lengths) < self.LENGTH_SAMPLE:
                         c.lengths.append(int(b - a))
                     yield Doc(self.index, int(ids[i]), values[a:b], loss)

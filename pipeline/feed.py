@@ -24,7 +24,7 @@ from pipeline.mixing import DeficitMixer
 from pipeline.packing import make_packer
 from pipeline.schema import build_batch, with_metadata
 from pipeline.stats import describe_lengths
-from pipeline.tokenization import load_tokenizer
+from pipeline.tokenization import BACKEND_NAMES, load_tokenizer
 
 
 def default_executor(local: bool):
@@ -200,6 +200,7 @@ class Feed:
                 "target_share": float(target[i]),
                 "realized_share": realized[self.names[i]],
                 "epochs_started": c.epochs_started,
+                "backend_tokens": dict(zip(BACKEND_NAMES, c.backend_tokens, strict=True)),
                 "length": describe_lengths(np.asarray(c.lengths, dtype=np.int64)),
             }
         return {
@@ -220,6 +221,12 @@ class Feed:
             if self.first_step_at
             else None,
             "tokens_per_s": steady_tokens / steady_s if steady_s > 0 else 0.0,
+            # Which tokenizer backend produced the tokens read (`hf_fallback`: batches whose
+            # verification sample disagreed with the fast backend, re-encoded by HF).
+            "tokenizer_backend": {
+                name: sum(s.counters.backend_tokens[k] for s in self.streams)
+                for k, name in enumerate(BACKEND_NAMES)
+            },
             "config_hash": self.config_hash,
         }
 

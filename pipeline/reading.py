@@ -13,6 +13,7 @@ Output block schema (one row per record, in record order):
     tokens  list<int32>     BOS/EOS applied; empty for a bad record
     loss    list<int8>      per-token loss mask (chat streams only; null for pretrain)
     error   string          null for a good record, else the reason it is bad
+    backend int8            which tokenizer backend encoded the row (tokenization.BACKEND_*)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ BLOCK_SCHEMA = pa.schema(
         ("tokens", pa.large_list(pa.int32())),
         ("loss", pa.large_list(pa.int8())),
         ("error", pa.string()),
+        ("backend", pa.int8()),
     ]
 )
 _ENCODE_BATCH_BYTES = 1 << 20
@@ -131,7 +133,7 @@ def _with_specials(
 
 
 def _encode_pretrain(texts: list[str], tok: LoadedTokenizer):
-    """Yield (flat ids, offsets) per batch of about _ENCODE_BATCH_BYTES of text."""
+    """Yield (flat ids, offsets, backend) per batch of about _ENCODE_BATCH_BYTES of text."""
     bos = tok.bos_id if tok.add_bos else None
     eos = tok.eos_id if tok.add_eos else None
     start = 0
@@ -140,7 +142,8 @@ def _encode_pretrain(texts: list[str], tok: LoadedTokenizer):
         while stop < len(texts) and (stop == start or nbytes < _ENCODE_BATCH_BYTES):
             nbytes += len(texts[stop])
             stop += 1
-        yield _with_specials(*tok.encode(texts[start:stop]), bos, eos)
+        flat, offsets, backend = tok.encode_verified(texts[start:stop])
+        yield *_with_specials(flat, offsets, bos, eos), backend
         start = stop
 
 
@@ -167,22 +170,27 @@ def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.
         ids.append(doc_id)
         errors.append(err)
     lens = np.zeros(len(ids), dtype=np.int64)
+    backends = np.zeros(len(ids), dtype=np.int8)
     flats: list[np.ndarray] = []
     losses: list[np.ndarray] | None = None
     if stream.kind == "chat":
         losses = []
-        for row, result in zip(rows, _chat_encoder(tok).encode(values), strict=True):
+        encoder = _chat_encoder(tok)
+        for row, result in zip(rows, encoder.encode(values), strict=True):
             if isinstance(result, str):
                 errors[row] = result
                 continue
             flats.append(result[0])
             losses.append(result[1])
             lens[row] = len(result[0])
+        backends[np.asarray(rows, dtype=np.int64)] = encoder.last_backend
     else:
         done = 0
-        for flat, offsets in _encode_pretrain(values, tok):
+        for flat, offsets, backend in _encode_pretrain(values, tok):
             n = len(offsets) - 1
-            lens[np.asarray(rows[done : done + n], dtype=np.int64)] = np.diff(offsets)
+            where = np.asarray(rows[done : done + n], dtype=np.int64)
+            lens[where] = np.diff(offsets)
+            backends[where] = backend
             flats.append(flat)
             done += n
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
@@ -201,6 +209,7 @@ def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.
             "tokens": tokens,
             "loss": loss,
             "error": pa.array(errors, pa.string()),
+            "backend": pa.array(backends),
         },
         schema=BLOCK_SCHEMA,
     )

@@ -1,0 +1,130 @@
+"""The tokenizer backends: the HF reference, and the fast backend used only where it is exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.config import TokenizerConfig, parse_config
+from pipeline.reading import Unit, tokenize_unit
+from pipeline.sources import plan_pieces
+from pipeline.tokenization import (
+    BACKEND_FAST,
+    BACKEND_HF,
+    BACKEND_HF_FALLBACK,
+    CL100K_TIKTOKEN_PATTERN,
+    FAST_PROBE,
+    FastBackendError,
+    FastEncoder,
+    LoadedTokenizer,
+    _cl100k_ranks_file,
+    default_tokenizer_file,
+    load_tokenizer,
+    verify_sample,
+)
+from tests.conftest import stdlib_texts
+
+
+def _tiktoken(pattern: str = CL100K_TIKTOKEN_PATTERN):
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(str(_cl100k_ranks_file()))
+    return tiktoken.Encoding("t", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+
+
+def test_default_hf_tokenizer_is_cl100k_exactly(tokenizer):
+    """The converted HF tokenizer gives tiktoken's ids, digits included ("0010" -> 001|0)."""
+    enc = _tiktoken()
+    hf = tokenizer.tokenizer
+    assert [hf.id_to_token(i) for i in tokenizer.encode(["0010"])[0]] == ["001", "0"]
+    texts = list(FAST_PROBE) + stdlib_texts(60)
+    for text in texts:
+        assert hf.encode(text, add_special_tokens=False).ids == enc.encode_ordinary(text), text
+
+
+def test_fast_backend_is_used_and_exact(tokenizer):
+    assert tokenizer.fast is not None, "the default tokenizer should get the fast backend"
+    texts = stdlib_texts(20) + ["<|endoftext|> literal", "12345678"]
+    flat, offsets, backend = tokenizer.encode_verified(texts)
+    want_flat, want_offsets = tokenizer.encode(texts)
+    assert backend == BACKEND_FAST
+    assert flat.tolist() == want_flat.tolist() and offsets.tolist() == want_offsets.tolist()
+
+
+def test_verify_sample_is_proportional_and_deterministic():
+    texts = ["x" * 1000] * 100  # 100k characters
+    picked = verify_sample(texts, 0.01)  # one per 100 characters: every text crosses one
+    assert picked == list(range(100))
+    picked = verify_sample(texts, 0.0001)  # one per 10,000 characters
+    assert picked[0] == 0 and len(picked) == 11 and picked == verify_sample(texts, 0.0001)
+
+
+def _with_fast(tok: LoadedTokenizer, fast, backend: str) -> LoadedTokenizer:
+    from dataclasses import replace
+
+    return replace(tok, fast=fast, backend=backend)
+
+
+def test_inexact_fast_backend_falls_back_or_fails(tokenizer):
+    """A fast encoder that splits digits differently is caught by the sample, not trusted."""
+    wrong = FastEncoder(_tiktoken(CL100K_TIKTOKEN_PATTERN.replace(r"\p{N}{1,3}+", r"\p{N}+")))
+    texts = ["version 20261122 of the file", "plain words only"]
+    auto = _with_fast(tokenizer, wrong, "auto")
+    flat, offsets, backend = auto.encode_verified(texts)
+    assert backend == BACKEND_HF_FALLBACK
+    assert flat.tolist() == tokenizer.encode(texts)[0].tolist()
+    # Without digits the wrong encoder happens to agree: then it may be used.
+    assert auto.encode_verified(["plain words only"])[2] == BACKEND_FAST
+    strict = _with_fast(tokenizer, wrong, "tiktoken")
+    with pytest.raises(FastBackendError, match="20261122"):
+        strict.encode_verified(texts)
+
+
+def test_backend_hf_never_uses_the_fast_encoder():
+    tok = load_tokenizer(TokenizerConfig(backend="hf"))
+    assert tok.fast is None
+    assert tok.encode_verified(["some text 123"])[2] == BACKEND_HF
+
+
+def test_tokenizer_json_gets_a_fast_form_and_a_bad_one_is_refused(tmp_path):
+    """A byte-level BPE tokenizer.json is ported generically; the probe rejects a bad port."""
+    good = tmp_path / "good.json"
+    good.write_text(default_tokenizer_file().read_text())
+    tok = load_tokenizer(TokenizerConfig(name=str(good), eos_id=100257))
+    assert tok.fast is not None
+    assert tok.encode_verified(["x = 1234\n"])[2] == BACKEND_FAST
+    # The possessive pattern means something else to Oniguruma than to tiktoken's engine.
+    d = json.loads(default_tokenizer_file().read_text())
+    d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = CL100K_TIKTOKEN_PATTERN
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(d))
+    assert load_tokenizer(TokenizerConfig(name=str(bad), eos_id=100257)).fast is None
+    with pytest.raises(FastBackendError, match="not exact"):
+        load_tokenizer(TokenizerConfig(name=str(bad), eos_id=100257, backend="tiktoken"))
+
+
+def test_blocks_report_the_backend_and_match_hf(tmp_path):
+    texts = stdlib_texts(6)
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = parse_config({"seq_len": 64, "streams": {"s": {"paths": [str(path)]}}})
+    unit = Unit(0, tuple(plan_pieces([str(path)], "jsonl", 1 << 20)[0]))
+    fast = tokenize_unit(unit, cfg.streams["s"], load_tokenizer(cfg.tokenizer))
+    hf_cfg = cfg.tokenizer.model_copy(update={"backend": "hf"})
+    slow = tokenize_unit(unit, cfg.streams["s"], load_tokenizer(hf_cfg))
+    assert fast.column("backend").to_pylist() == [BACKEND_FAST] * len(texts)
+    assert slow.column("backend").to_pylist() == [BACKEND_HF] * len(texts)
+    assert fast.column("tokens").equals(slow.column("tokens"))
+    # The backend is not part of the run's identity: resume states stay valid across it.
+    assert (
+        cfg.config_hash()
+        == parse_config(
+            {
+                "seq_len": 64,
+                "tokenizer": {"backend": "hf"},
+                "streams": {"s": {"paths": [str(path)]}},
+            }
+        ).config_hash()
+    )
