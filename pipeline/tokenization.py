@@ -227,18 +227,22 @@ def _flatten(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def verify_sample(texts: list[str], fraction: float) -> list[int]:
-    """Indices of the texts to check: the first, then one per `1/fraction` characters.
+    """Indices of the texts to check against HF: about `fraction` of the characters.
 
-    A text is picked when the running character count crosses a multiple of the stride, so
-    the sample is proportional to size, spread over the batch, and a pure function of it.
+    Every k-th text (k = 1/fraction) from the first is taken while the character budget
+    (`fraction` of the batch) lasts; if none fits, the shortest text is. So the check costs
+    about `fraction` of an HF encode whatever the document sizes, spreads over the batch, and
+    is a pure function of it (the same batch is always checked the same way).
     """
-    stride = max(1, round(1 / fraction))
-    picked, total = [], 0
-    for i, t in enumerate(texts):
-        before, total = total, total + len(t)
-        if i == 0 or before // stride != total // stride:
+    if not texts:
+        return []
+    budget = fraction * sum(len(t) for t in texts)
+    picked, used = [], 0
+    for i in range(0, len(texts), max(1, round(1 / fraction))):
+        if used + len(texts[i]) <= budget:
             picked.append(i)
-    return picked
+            used += len(texts[i])
+    return picked or [min(range(len(texts)), key=lambda i: len(texts[i]))]
 
 
 # Which backend encoded a batch: blocks carry it per row, the feed reports tokens per name.

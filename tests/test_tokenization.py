@@ -54,11 +54,16 @@ def test_fast_backend_is_used_and_exact(tokenizer):
 
 
 def test_verify_sample_is_proportional_and_deterministic():
-    texts = ["x" * 1000] * 100  # 100k characters
-    picked = verify_sample(texts, 0.01)  # one per 100 characters: every text crosses one
-    assert picked == list(range(100))
-    picked = verify_sample(texts, 0.0001)  # one per 10,000 characters
-    assert picked[0] == 0 and len(picked) == 11 and picked == verify_sample(texts, 0.0001)
+    texts = [("x" * (10 + i % 7 * 300)) for i in range(1000)]
+    total = sum(map(len, texts))
+    picked = verify_sample(texts, 0.01)
+    assert picked == verify_sample(texts, 0.01)
+    assert picked[0] == 0 and all(b - a >= 100 for a, b in zip(picked, picked[1:]))
+    assert 0 < sum(len(texts[i]) for i in picked) <= 0.01 * total
+    # One huge document among small ones: the budget is never blown, the check never skipped.
+    texts = ["y" * 1_000_000] + ["z" * 50] * 10
+    assert verify_sample(texts, 0.01) == [1]
+    assert verify_sample(["only one"], 0.01) == [0]
 
 
 def _with_fast(tok: LoadedTokenizer, fast, backend: str) -> LoadedTokenizer:
@@ -70,7 +75,7 @@ def _with_fast(tok: LoadedTokenizer, fast, backend: str) -> LoadedTokenizer:
 def test_inexact_fast_backend_falls_back_or_fails(tokenizer):
     """A fast encoder that splits digits differently is caught by the sample, not trusted."""
     wrong = FastEncoder(_tiktoken(CL100K_TIKTOKEN_PATTERN.replace(r"\p{N}{1,3}+", r"\p{N}+")))
-    texts = ["version 20261122 of the file", "plain words only"]
+    texts = [f"version {20261122 + i} of the file" for i in range(300)]
     auto = _with_fast(tokenizer, wrong, "auto")
     flat, offsets, backend = auto.encode_verified(texts)
     assert backend == BACKEND_HF_FALLBACK
@@ -78,7 +83,7 @@ def test_inexact_fast_backend_falls_back_or_fails(tokenizer):
     # Without digits the wrong encoder happens to agree: then it may be used.
     assert auto.encode_verified(["plain words only"])[2] == BACKEND_FAST
     strict = _with_fast(tokenizer, wrong, "tiktoken")
-    with pytest.raises(FastBackendError, match="20261122"):
+    with pytest.raises(FastBackendError, match="version 2026"):
         strict.encode_verified(texts)
 
 
