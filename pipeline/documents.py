@@ -140,6 +140,7 @@ class StreamDocs:
         self._pieces: list[list[Piece]] | None = None
         self._files: list[str] | None = None
         self._early: Iterator[pa.Table] | None = None
+        self._next_epoch: tuple[int, Iterator[pa.Table]] | None = None
         self.start_cursor = start or Cursor()
         self.next_cursor = self.start_cursor
         c = self.counters
@@ -165,8 +166,20 @@ class StreamDocs:
         c = self.start_cursor
         if self._early is not None and (epoch, unit) == (c.epoch, c.unit):
             blocks, self._early = self._early, None
-            return blocks
-        return self.executor(self.units(epoch)[unit:], self.stream, self.cfg.tokenizer)
+        elif self._next_epoch is not None and self._next_epoch[0] == epoch and unit == 0:
+            blocks, self._next_epoch = self._next_epoch[1], None
+        else:
+            blocks = self.executor(self.units(epoch)[unit:], self.stream, self.cfg.tokenizer)
+        # Start reading the next epoch now, so the workers do not idle at the epoch boundary
+        # while this epoch's last blocks are packed (both executions are bounded prefetchers).
+        # Not under max_tokens: the cap may well end the stream within this epoch.
+        ahead = epoch + 1 < self.stream.repeat and self.stream.max_tokens is None
+        if ahead and self._next_epoch is None:
+            self._next_epoch = (
+                epoch + 1,
+                self.executor(self.units(epoch + 1), self.stream, self.cfg.tokenizer),
+            )
+        return blocks
 
     @property
     def files(self) -> list[str]:
@@ -189,7 +202,12 @@ class StreamDocs:
         per_file = self.pieces()
         order = file_order(len(per_file), self.cfg.seed, self.name, epoch, self.cfg.shuffle.files)
         flat = [p for i in order for p in per_file[i]]
-        return group_units(flat, self.cfg.read.block_bytes, self.cfg.read.first_block_bytes)
+        # Only the first epoch ramps up from small units (for the first batch); later epochs
+        # are read ahead (see `_blocks`), so their units are full size from the start.
+        read = self.cfg.read
+        return group_units(
+            flat, read.block_bytes, read.first_block_bytes if epoch == 0 else read.block_bytes
+        )
 
     def __iter__(self) -> Iterator[Doc]:
         c, W = self.counters, self.cfg.shuffle.window
