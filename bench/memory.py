@@ -43,6 +43,15 @@ def _ray_processes():
     return procs
 
 
+def private_rss_total() -> int:
+    """Private RSS of this process and every Ray worker process on this machine, summed."""
+    total = 0
+    for p in _ray_processes():
+        with contextlib.suppress(Exception):  # a worker that just exited
+            total += _private_rss(p)
+    return total
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cap-mb", type=int, default=128)
@@ -70,10 +79,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         while not stop.is_set():
             used = get_memory_info_reply(state).store_stats.object_store_bytes_used
-            rss = 0
-            for p in _ray_processes():
-                with contextlib.suppress(Exception):  # a worker that just exited
-                    rss += _private_rss(p)
+            rss = private_rss_total()
             samples.append({"t": time.monotonic() - t0, "store": used, "rss": rss})
             stop.wait(1.0)
 

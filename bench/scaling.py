@@ -57,21 +57,31 @@ def _export(cfg, work: Path, tag: str) -> dict:
     }
 
 
-def _point(label: str, cpus: int, start, stop, cfg, work: Path, repeats: int) -> dict:
+def _point(label: str, cpus: int, start, stop, cfg, work: Path, repeats: int) -> list[dict]:
+    """One cluster shape; the export with the default backend and with `backend: hf`."""
+    hf_cfg = cfg.model_copy(
+        update={"tokenizer": cfg.tokenizer.model_copy(update={"backend": "hf"})}
+    )
     start()
     try:
-        runs = [_export(cfg, work, f"{label}-{i}") for i in range(repeats)]
+        out = []
+        for backend, c in (("auto", cfg), ("hf", hf_cfg)):
+            runs = [_export(c, work, f"{label}-{backend}-{i}") for i in range(repeats)]
+            out.append(
+                {
+                    "label": label,
+                    "backend": backend,
+                    "cpus": cpus,
+                    "runs": runs,
+                    "steady_median": statistics.median(r["steady_tokens_per_s"] for r in runs),
+                    "end_to_end_median": statistics.median(
+                        r["end_to_end_tokens_per_s"] for r in runs
+                    ),
+                }
+            )
+        return out
     finally:
         stop()
-    steady = [r["steady_tokens_per_s"] for r in runs]
-    e2e = [r["end_to_end_tokens_per_s"] for r in runs]
-    return {
-        "label": label,
-        "cpus": cpus,
-        "runs": runs,
-        "steady_median": statistics.median(steady),
-        "end_to_end_median": statistics.median(e2e),
-    }
 
 
 def main(argv=None) -> int:
@@ -106,7 +116,7 @@ def main(argv=None) -> int:
     store = 512 << 20
     points = []
     for n in (1, 2):
-        points.append(
+        points.extend(
             _point(
                 f"1 node, {n} CPU",
                 n,
@@ -135,19 +145,21 @@ def main(argv=None) -> int:
         ray.shutdown()
         cluster.shutdown()
 
-    points.append(
+    points.extend(
         _point("2 nodes x 1 CPU (simulated)", 2, start_cluster, stop_cluster, cfg, work, 1)
     )
     shutil.rmtree(work, ignore_errors=True)
     result = {"single_process_hf": hf, "single_process_tiktoken": fast, "points": points}
     print(f"single process: HF {hf:,.0f} tok/s, tiktoken {fast:,.0f} tok/s")
-    print(f"{'point':<30}{'steady tok/s':>14}{'×limit':>8}{'end-to-end':>12}{'×limit':>8}")
+    print(
+        f"{'point':<30}{'backend':>8}{'steady tok/s':>14}{'×limit':>8}{'end-to-end':>12}{'×limit':>8}"
+    )
     for p in points:
         limit = p["cpus"] * hf
         p["steady_over_limit"] = p["steady_median"] / limit
         p["end_to_end_over_limit"] = p["end_to_end_median"] / limit
         print(
-            f"{p['label']:<30}{p['steady_median']:>14,.0f}{p['steady_over_limit']:>8.2f}"
+            f"{p['label']:<30}{p['backend']:>8}{p['steady_median']:>14,.0f}{p['steady_over_limit']:>8.2f}"
             f"{p['end_to_end_median']:>12,.0f}{p['end_to_end_over_limit']:>8.2f}"
         )
     if args.json:
@@ -170,22 +182,34 @@ def plot(result: dict, path: Path) -> None:
     ax.plot(
         xs, [x * fast / 1e6 for x in xs], ":", color="grey", label="N x single-process tiktoken"
     )
-    one = [p for p in result["points"] if p["label"].startswith("1 node")]
-    ax.plot(
-        [p["cpus"] for p in one],
-        [p["steady_median"] / 1e6 for p in one],
-        "o-",
-        label="tokenmill export, steady",
-    )
-    ax.plot(
-        [p["cpus"] for p in one],
-        [p["end_to_end_median"] / 1e6 for p in one],
-        "s-",
-        label="tokenmill export, end to end",
-    )
-    for p in result["points"]:
-        if not p["label"].startswith("1 node"):
-            ax.plot([p["cpus"]], [p["steady_median"] / 1e6], "D", color="C3", label=p["label"])
+    for backend, color in (("auto", "C0"), ("hf", "C2")):
+        one = [
+            p
+            for p in result["points"]
+            if p["label"].startswith("1 node") and p["backend"] == backend
+        ]
+        name = "tokenmill, backend " + backend
+        xs1 = [p["cpus"] for p in one]
+        ax.plot(
+            xs1, [p["steady_median"] / 1e6 for p in one], "o-", color=color, label=f"{name}: steady"
+        )
+        ax.plot(
+            xs1,
+            [p["end_to_end_median"] / 1e6 for p in one],
+            "s--",
+            color=color,
+            alpha=0.6,
+            label=f"{name}: end to end",
+        )
+        for p in result["points"]:
+            if not p["label"].startswith("1 node") and p["backend"] == backend:
+                ax.plot(
+                    [p["cpus"]],
+                    [p["steady_median"] / 1e6],
+                    "D",
+                    color=color,
+                    label=f"{name}: {p['label']}, steady",
+                )
     ax.set_xlabel("CPUs (Ray workers)")
     ax.set_ylabel("million tokens / s")
     ax.set_xticks([1, 2])

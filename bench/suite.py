@@ -7,6 +7,8 @@ tokenizer (tokenmill's default cl100k_base), rows of L = 2048 tokens, EOS after 
 
 (a) the limit: one process encoding the corpus, batched, on one thread, × the N CPUs Ray has;
 (b) `tokenmill export`: read + tokenize in Ray Data, pack in the feed actor, files written;
+    with the default `tokenizer.backend: auto` (tiktoken where verified exact), and again
+    with `backend: hf` (the same HF tokenizer the peers use), so both effects show;
 (c) HF `datasets.map(num_proc=N, batched=True)` + TRL `pack_dataset(strategy="bfd_split")`;
 (d) a naive Ray Data pipeline: `read_json` → actor-pool `map_batches` (N actors) → concat;
 (e) a torch `DataLoader(num_workers=N)` over a tokenizing, packing `IterableDataset`.
@@ -16,6 +18,11 @@ start-up included (imports excluded). Each runs `repeats` times (quick: 1, full:
 round-robin order, so slow drift on a shared machine falls on every method alike; the limit
 is measured 3 times either way (it is cheap and it is every ratio's denominator). Every
 figure is printed as a ratio to the limit and to each peer, never as an absolute bar.
+
+Also, on the same warm cluster: the first batch of a fresh feed and of feeds resumed early
+and late in the demo mixture (bench/resume.py); the peak private RSS (driver + Ray workers)
+and object-store bytes sampled during the tokenmill runs; and, with `--demo`, the trainer's
+data-wait fraction in `tokenmill demo`.
 
 Corpus. Quick: the first ~3 MB of `code.jsonl`, in a temporary file that every method reads
 once. Full: all of `code.jsonl` (~11 MB) read twice: tokenmill with the stream's `repeat: 2`
@@ -32,6 +39,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from bench.resume import warm_latencies
 from bench.throughput import corpus_texts, single_process_rate
 
 SEQ_LEN = 2048
@@ -39,6 +47,7 @@ QUICK_BYTES = 3 << 20
 FULL_PASSES = 2
 LIMIT_REPEATS = 3
 TOKENMILL = "tokenmill"
+TOKENMILL_HF = "tokenmill_hf"
 PEERS = {  # name: (label, function name in bench.peers)
     "hf_trl": ("HF datasets.map + TRL bfd_split", "hf_datasets_trl"),
     "ray_data": ("naive Ray Data map_batches", "naive_ray_data"),
@@ -106,13 +115,72 @@ def _table(result: dict) -> str:
         row(f"(a) limit: 1 process × {result['cpus']}", limit, f"±{single['spread']:.0%}", "")
     )
     lines.append(row("    one process", single["median"], f"±{single['spread']:.0%}", ""))
-    for key, tag in zip([TOKENMILL, *PEERS], "bcde", strict=True):
+    for key, tag in zip([TOKENMILL, TOKENMILL_HF, *PEERS], ["b", "b'", "c", "d", "e"], strict=True):
         m = methods[key]
         if "median" not in m:
             lines.append(f"({tag}) {m['label']:<32}  skipped: {m['error']}")
             continue
         tokens = f"{statistics.median(m['tokens']):,.0f}"
         lines.append(row(f"({tag}) {m['label']}", m["median"], f"±{m['spread']:.0%}", tokens))
+    return "\n".join(lines)
+
+
+class MemorySampler:
+    """Peak private RSS of the driver + Ray workers and object-store bytes, sampled at 2 Hz."""
+
+    def __enter__(self):
+        import threading
+
+        import ray
+        from ray._private.internal_api import get_memory_info_reply, get_state_from_address
+
+        from bench.memory import private_rss_total
+
+        state = get_state_from_address(ray.get_runtime_context().gcs_address)
+        self.rss, self.store = 0, 0
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.is_set():
+                used = get_memory_info_reply(state).store_stats.object_store_bytes_used
+                total = private_rss_total()
+                self.rss, self.store = max(self.rss, total), max(self.store, used)
+                self._stop.wait(0.5)
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def peaks(self) -> dict:
+        return {"rss_peak": self.rss, "store_peak": self.store}
+
+
+def _extras(result: dict) -> str:
+    mb = 1 << 20
+    ttfb = result["time_to_first_step_s"]
+    w = result["warm"]
+    lines = [
+        "",
+        "time to first step, cold (export incl. Ray start): "
+        + ", ".join(f"{k}: " + "/".join(f"{x:.1f}s" for x in v) for k, v in ttfb.items()),
+        f"warm cluster (demo mixture): first batch {w['first_batch_s']:.2f}s; resume "
+        + ", ".join(f"at step {s}: {t:.2f}s" for s, t in w["resume_s"].items())
+        + f" (late/early {w['late_over_early']:.2f})",
+    ]
+    if result["peak_private_rss_bytes"] is not None:
+        lines.append(
+            f"peak private RSS (driver + Ray workers) {result['peak_private_rss_bytes'] / mb:,.0f}"
+            f" MB; peak object store {result['peak_object_store_bytes'] / mb:,.0f} MB"
+        )
+    if result["demo"]:
+        d = result["demo"]
+        lines.append(
+            f"demo: trainer data-wait {d['data_wait_fraction']:.2%} of step time at steady state"
+        )
     return "\n".join(lines)
 
 
@@ -127,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--mode", choices=["bfd", "concat"], default="bfd", help="tokenmill's packing mode"
     )
+    ap.add_argument("--demo", action="store_true", help="also run the demo for its data-wait")
     args = ap.parse_args(argv)
 
     import ray
@@ -134,6 +203,7 @@ def main(argv=None) -> int:
     from bench import peers
     from pipeline.config import parse_config
     from service.cluster import connect
+    from service.demo import demo_config
     from service.demo_corpus import build_demo_corpus
 
     code = build_demo_corpus() / "code.jsonl"
@@ -164,8 +234,17 @@ def main(argv=None) -> int:
                 "streams": {"code": {"paths": tm_paths, "repeat": passes}},
             }
         )
-        methods = {TOKENMILL: {"label": f"tokenmill export ({args.mode})", "runs": []}}
-        runners = {TOKENMILL: lambda i: _run_tokenmill(cfg, work / f"export-{i}")}
+        hf_cfg = cfg.model_copy(
+            update={"tokenizer": cfg.tokenizer.model_copy(update={"backend": "hf"})}
+        )
+        methods = {
+            TOKENMILL: {"label": f"tokenmill export ({args.mode})", "runs": []},
+            TOKENMILL_HF: {"label": "  same, tokenizer.backend hf", "runs": []},
+        }
+        runners = {
+            TOKENMILL: lambda i: _run_tokenmill(cfg, work / f"export-{i}"),
+            TOKENMILL_HF: lambda i: _run_tokenmill(hf_cfg, work / f"export-hf-{i}"),
+        }
         for key, (label, fn_name) in PEERS.items():
             methods[key] = {"label": label, "runs": []}
             fn = getattr(peers, fn_name)
@@ -175,16 +254,30 @@ def main(argv=None) -> int:
                 m = methods[key]
                 if "error" in m:
                     continue
-                print(f"run {i + 1}/{repeats}: {m['label']}...", flush=True)
+                print(f"run {i + 1}/{repeats}: {m['label'].strip()}...", flush=True)
                 try:
-                    m["runs"].append(run(i))
+                    if key in (TOKENMILL, TOKENMILL_HF):
+                        with MemorySampler() as mem:
+                            m["runs"].append(run(i))
+                        m["runs"][-1].update(mem.peaks())
+                    else:
+                        m["runs"].append(run(i))
                 except ImportError as e:  # the peers' libraries are the optional `bench` extra
                     m["error"] = f"{e} (pip install 'tokenmill[bench]')"
                     print(f"  skipped: {m['error']}", flush=True)
+        print("warm cluster: first batch and resume (demo mixture)...", flush=True)
+        latency = warm_latencies(parse_config(demo_config(build_demo_corpus())), 60)
     finally:
         if ray.is_initialized():
             ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
+    demo = None
+    if args.demo:
+        from service.demo import run_demo
+
+        print("demo (2 trainer ranks on CPU)...", flush=True)
+        d = run_demo(steps=60)
+        demo = {k: d[k] for k in ("data_wait_fraction", "tokens_per_s", "packing_efficiency")}
 
     limit = cpus * statistics.median(single)
     for m in methods.values():
@@ -195,6 +288,7 @@ def main(argv=None) -> int:
             m.update(_stats(m["tokens_per_s"]))
             m["over_limit"] = m["median"] / limit
     ran = [p for p in PEERS if "median" in methods[p]]
+    tm_runs = methods[TOKENMILL]["runs"] + methods[TOKENMILL_HF]["runs"]
     best = max(ran, key=lambda p: methods[p]["median"]) if ran else None
     for m in methods.values():
         if "median" in m:
@@ -213,6 +307,14 @@ def main(argv=None) -> int:
         "limit_tokens_per_s": limit,
         "methods": methods,
         "best_peer": best,
+        "time_to_first_step_s": {
+            k: [r["time_to_first_step_s"] for r in methods[k]["runs"]]
+            for k in (TOKENMILL, TOKENMILL_HF)
+        },
+        "warm": latency,
+        "peak_private_rss_bytes": max((r["rss_peak"] for r in tm_runs), default=None),
+        "peak_object_store_bytes": max((r["store_peak"] for r in tm_runs), default=None),
+        "demo": demo,
         "bars": {  # SPEC §4: ≥ 85% of the limit; ahead of every peer
             "tokenmill_over_limit": tm.get("over_limit"),
             "meets_85pct_of_limit": tm.get("over_limit", 0) >= 0.85,
@@ -221,6 +323,7 @@ def main(argv=None) -> int:
     }
     print()
     print(_table(result))
+    print(_extras(result))
     print(
         "\ntokens/s = real tokens delivered / wall time from start to last row (start-up"
         " included); spread = ±(max − min) / 2 / median over repeats; ×X = ratio to X's median."

@@ -19,6 +19,7 @@ Output block schema (one row per record, in record order):
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
@@ -300,6 +301,9 @@ def iter_blocks_ray(
         ctx = ray.data.DataContext.get_current()
         ctx.execution_options.preserve_order = True
         ctx.enable_progress_bars = False
+        # One execution per stream and epoch (two at a time while reading ahead): Ray Data's
+        # per-dataset INFO lines ("execution finished", "registers for logging...") are noise.
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
         ds = ray.data.from_items(
             [{"unit": u.to_json()} for u in units], override_num_blocks=len(units)
         )
