@@ -133,3 +133,22 @@ def test_blocks_report_the_backend_and_match_hf(tmp_path):
             }
         ).config_hash()
     )
+
+
+def test_fast_backend_on_hostile_texts(tokenizer):
+    """Long unbroken runs, mixed scripts, lone surrogate-free oddities: same ids as HF."""
+    from dataclasses import replace
+
+    every = replace(tokenizer, verify_fraction=1.0)  # check every text, not a sample
+    texts = [
+        "a" * 200_000,
+        "ab1" * 50_000,
+        "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(50_000)),
+        " " * 10_000 + "x",
+        "\n" * 5_000,
+        "\ufeffBOM then text\u2028line sep\u0085nel",
+        "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 1000,
+    ]
+    flat, offsets, backend = every.encode_verified(texts)
+    assert backend == BACKEND_FAST
+    assert flat.tolist() == tokenizer.encode(texts)[0].tolist()
