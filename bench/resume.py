@@ -38,12 +38,15 @@ def warm_latencies(cfg, steps: int) -> dict:
         if feed.next_step() is None:
             break
     straight_s = time.perf_counter() - t
+    feed.close()
     result = {"steps": steps, "first_batch_s": first_s, "straight_run_s": straight_s}
     result["resume_s"] = {}
     for step, state in states.items():
         t = time.perf_counter()
-        Feed(cfg, state=state).next_step()
+        resumed = Feed(cfg, state=state)
+        resumed.next_step()
         result["resume_s"][step] = time.perf_counter() - t
+        resumed.close()
     early, late = (result["resume_s"][s] for s in sorted(result["resume_s"]))
     result["late_over_early"] = late / early
     return result
@@ -81,7 +84,9 @@ def warm_up(cfg) -> None:
     """Make the cluster warm: one feed to its first step (workers started, tokenizer cached)."""
     from pipeline.feed import Feed
 
-    Feed(cfg).next_step()
+    feed = Feed(cfg)
+    feed.next_step()
+    feed.close()
 
 
 if __name__ == "__main__":

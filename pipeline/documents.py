@@ -141,6 +141,7 @@ class StreamDocs:
         self._files: list[str] | None = None
         self._early: Iterator[pa.Table] | None = None
         self._next_epoch: tuple[int, Iterator[pa.Table]] | None = None
+        self._current: Iterator[pa.Table] | None = None
         self.start_cursor = start or Cursor()
         self.next_cursor = self.start_cursor
         c = self.counters
@@ -162,6 +163,14 @@ class StreamDocs:
                 self.units(c.epoch)[c.unit :], self.stream, self.cfg.tokenizer
             )
 
+    def close(self) -> None:
+        """Stop every read this stream started (current, early and read-ahead executions)."""
+        for blocks in (self._current, self._early, self._next_epoch and self._next_epoch[1]):
+            close = getattr(blocks, "close", None)
+            if close is not None:
+                close()
+        self._current = self._early = self._next_epoch = None
+
     def _blocks(self, epoch: int, unit: int) -> Iterator[pa.Table]:
         c = self.start_cursor
         if self._early is not None and (epoch, unit) == (c.epoch, c.unit):
@@ -179,6 +188,7 @@ class StreamDocs:
                 epoch + 1,
                 self.executor(self.units(epoch + 1), self.stream, self.cfg.tokenizer),
             )
+        self._current = blocks
         return blocks
 
     @property

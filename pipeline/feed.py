@@ -176,6 +176,11 @@ class Feed:
             )
         return self.mixer.schedule(step, weights, source="api")
 
+    def close(self) -> None:
+        """Stop all reading (background Ray Data executions). The feed is done after this."""
+        for s in self.streams:
+            s.close()
+
     def summary(self) -> dict:
         now = time.monotonic()
         L = self.cfg.seq_len
@@ -328,3 +333,6 @@ class FeedActor:
 
     def summary(self) -> dict:
         return self.feed.summary()
+
+    def close(self) -> None:
+        self.feed.close()

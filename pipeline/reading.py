@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -246,6 +247,8 @@ class _Prefetcher:
     Started at construction, so every stream's Ray Data execution begins at once instead of
     when the packer first asks for that stream. An exception on the thread is re-raised in
     the consumer with its traceback; nothing is swallowed and the consumer never hangs.
+    `close()`, or dropping the last reference, stops the thread and so the execution (the
+    thread holds only the queue and the stop flag, never the prefetcher itself).
     """
 
     _END = object()
@@ -253,23 +256,14 @@ class _Prefetcher:
     def __init__(self, make_iter, depth: int):
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(make_iter,), daemon=True)
+        self._thread = threading.Thread(
+            target=_prefetch,
+            args=(make_iter, self._q, self._stop, self._END),
+            name="tokenmill-prefetch",
+            daemon=True,
+        )
+        weakref.finalize(self, self._stop.set)
         self._thread.start()
-
-    def _run(self, make_iter) -> None:
-        try:
-            for item in make_iter():
-                while not self._stop.is_set():
-                    try:
-                        self._q.put((item, None), timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
-                    return
-            self._q.put((self._END, None))
-        except BaseException as e:  # carried to the consumer
-            self._q.put((self._END, e))
 
     def __iter__(self):
         return self
@@ -284,6 +278,28 @@ class _Prefetcher:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _prefetch(make_iter, q: queue.Queue, stop: threading.Event, end) -> None:
+    it = make_iter()
+    try:
+        for item in it:
+            while not stop.is_set():
+                try:
+                    q.put((item, None), timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+            if stop.is_set():
+                return
+        q.put((end, None))
+    except BaseException as e:  # carried to the consumer
+        if not stop.is_set():
+            q.put((end, e))
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:  # a generator: ends Ray Data's execution now, not at GC
+            close()
 
 
 def iter_blocks_ray(

@@ -196,8 +196,7 @@ def run_export(
     finally:
         if mds is not None:
             mds.close()
-        if isinstance(feed, _RemoteFeed):
-            feed.close()
+        feed.close()
     elapsed = time.monotonic() - started
     steady = time.monotonic() - first_at if first_at else 0.0
     summary.update(

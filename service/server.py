@@ -212,6 +212,7 @@ class BatchServer:
             self._slices.clear()
             self._ranks.clear()
             self._error = None
+        self.feed.close()  # stop the old feed's reads before starting the new one's
         self._start_feed(state)
         return step
 

@@ -160,3 +160,42 @@ def test_resume_from_exported_states_on_ray_any_world_size(ray_cluster, corpus, 
     run_export(cfg, tmp_path / "r2", steps=4, resume=state, state_every=4)
     b = json.loads((tmp_path / "r2" / "state-00000008.json").read_text())
     assert a == b
+
+
+def _prefetch_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "tokenmill-prefetch" and t.is_alive()]
+
+
+def _wait_gone(timeout=60.0):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while _prefetch_threads() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return _prefetch_threads()
+
+
+def test_closing_or_dropping_a_feed_stops_its_reads(ray_cluster, corpus):
+    """Reads run ahead on background threads (every stream, the next epoch); none outlive
+    the feed, whether it is closed or just dropped."""
+    import gc
+
+    from pipeline.feed import Feed
+
+    cfg = config(corpus, "concat")
+    cfg = cfg.model_copy(
+        update={"streams": {n: s.model_copy(update={"repeat": 3}) for n, s in cfg.streams.items()}}
+    )
+    assert not _wait_gone()
+    feed = Feed(cfg)
+    assert feed.next_step() is not None
+    assert _prefetch_threads(), "expected reads running ahead"
+    feed.close()
+    assert not _wait_gone()
+    feed = Feed(cfg)
+    assert feed.next_step() is not None
+    del feed
+    gc.collect()
+    assert not _wait_gone()
