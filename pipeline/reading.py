@@ -276,8 +276,21 @@ class _Prefetcher:
             raise StopIteration
         return item
 
-    def close(self) -> None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop, and wait until the execution has been shut down.
+
+        The thread may be blocked inside Ray Data waiting for a block; it notices the stop
+        when that block arrives (one task's time at most), then closes the iterator, which
+        shuts the execution down. Waiting here means nothing of it outlives the caller, e.g.
+        into a `ray.shutdown()`.
+        """
         self._stop.set()
+        while True:  # unblock a put, if the thread is in one
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout)
 
 
 def _prefetch(make_iter, q: queue.Queue, stop: threading.Event, end) -> None:

@@ -85,14 +85,20 @@ def test_export_every_document_exact_and_invariants(ray_cluster, corpus, tokeniz
 
 def test_two_runs_are_byte_identical_and_match_the_in_process_feed(ray_cluster, corpus, tmp_path):
     cfg = config(corpus, "bfd")
-    run_export(cfg, tmp_path / "a", steps=6)
+    summary = run_export(cfg, tmp_path / "a", steps=6)
+    assert summary["tokenizer_backend"]["tiktoken"] > 0  # the fast backend did run
     run_export(cfg, tmp_path / "b", steps=6)
     run_export(cfg, tmp_path / "c", steps=6, local=True)
+    # The HF tokenizer alone gives the same bytes as the verified fast backend.
+    hf = config(corpus, "bfd", tokenizer={"backend": "hf"})
+    summary = run_export(hf, tmp_path / "h", steps=6)
+    assert summary["tokenizer_backend"]["tiktoken"] == 0 < summary["tokenizer_backend"]["hf"]
     names = sorted(p.name for p in (tmp_path / "a").glob("step-*"))
     assert len(names) == 6
     for name in names:
         a = (tmp_path / "a" / name).read_bytes()
         assert a == (tmp_path / "b" / name).read_bytes() == (tmp_path / "c" / name).read_bytes()
+        assert a == (tmp_path / "h" / name).read_bytes()
     other = config(corpus, "bfd", seed=8)
     run_export(other, tmp_path / "d", steps=6)
     assert any(
