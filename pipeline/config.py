@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-Format = Literal["jsonl", "parquet", "text", "mds"]
+# `export`: a `tokenmill export` directory used as a pre-tokenized source (SPEC M12).
+Format = Literal["jsonl", "parquet", "text", "mds", "export"]
 
 
 class ConfigError(ValueError):

@@ -85,7 +85,7 @@ class StreamCounters:
     epochs_started: int = 0
     capped: bool = False
     # tokens read per tokenizer backend (tokenization.BACKEND_NAMES); this run only, not state
-    backend_tokens: list[int] = field(default_factory=lambda: [0, 0, 0])
+    backend_tokens: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
     lengths: list[int] = field(default_factory=list, repr=False)  # sampled doc lengths
 
 

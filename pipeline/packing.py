@@ -253,7 +253,17 @@ class ConcatPacker(Packer):
                 break
             piece = self._pending[s][0]
             take = min(piece.length, room)
-            row.append(Segment(piece.doc, piece.offset, take))
+            last = row[-1] if row else None
+            if (
+                last is not None
+                and last.doc is piece.doc
+                and last.offset + last.length == piece.offset
+            ):
+                # The next piece of the document just placed: one segment, positions go on
+                # (a long document's pieces are cut at seq_len, not at this row's edge).
+                row[-1] = Segment(last.doc, last.offset, last.length + take)
+            else:
+                row.append(Segment(piece.doc, piece.offset, take))
             self.mixer.place(s, take)
             if take == piece.length:
                 self._pending[s].popleft()

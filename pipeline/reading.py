@@ -33,7 +33,7 @@ import pyarrow as pa
 from pipeline.chat import ChatEncoder, validate_messages
 from pipeline.config import StreamConfig, TokenizerConfig
 from pipeline.sources import WHOLE_FILE, Piece, read_piece
-from pipeline.tokenization import LoadedTokenizer, load_tokenizer
+from pipeline.tokenization import BACKEND_NONE, LoadedTokenizer, load_tokenizer
 
 BLOCK_SCHEMA = pa.schema(
     [
@@ -99,7 +99,16 @@ def record_field(stream: StreamConfig) -> str:
     return stream.messages_field if stream.kind == "chat" else stream.text_field
 
 
+def validate_tokens(value) -> tuple[tuple | None, str | None]:
+    tokens, _ = value
+    if len(tokens) == 0:
+        return None, "empty document"
+    return value, None
+
+
 def validator(stream: StreamConfig):
+    if stream.format == "export":
+        return validate_tokens
     return validate_messages if stream.kind == "chat" else validate_text
 
 
@@ -175,7 +184,15 @@ def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.
     backends = np.zeros(len(ids), dtype=np.int8)
     flats: list[np.ndarray] = []
     losses: list[np.ndarray] | None = None
-    if stream.kind == "chat":
+    if stream.format == "export":  # pre-tokenized: the ids (EOS included) are used as they are
+        losses = [] if stream.kind == "chat" else None
+        for row, (toks, loss) in zip(rows, values, strict=True):
+            flats.append(toks)
+            if losses is not None:
+                losses.append(loss)
+            lens[row] = len(toks)
+            backends[row] = BACKEND_NONE
+    elif stream.kind == "chat":
         losses = []
         encoder = _chat_encoder(tok)
         for row, result in zip(rows, encoder.encode(values), strict=True):

@@ -85,7 +85,9 @@ def resolve_stream_files(stream, base: Path) -> tuple[list[str], str]:
             matches, dirs = [p], []
         else:
             raise ValueError(f"{pattern!r} matches no files")
-        for d in dirs:
+        for d in dirs if stream.format == "export" else []:
+            matches += [f for f in fs.find(d) if _is_export_step(f)]
+        for d in dirs if stream.format != "export" else []:
             idx = d.rstrip("/") + "/index.json"
             if stream.format == "mds" or (stream.format is None and fs.exists(idx)):
                 if fs.exists(idx):
@@ -114,6 +116,13 @@ def resolve_stream_files(stream, base: Path) -> tuple[list[str], str]:
                 f"cannot infer one format from the extensions (e.g. {example!r}); set 'format'"
             )
         fmt = kinds.pop()
+    if fmt == "export":
+        bad = [f for f in files if not _is_export_step(f)]
+        if bad:
+            raise ValueError(
+                "format export needs an export directory or its step-*-rank-*.parquet/.arrow "
+                f"files, got {bad[0]!r}"
+            )
     if fmt == "mds":
         bad = [f for f in files if not f.endswith("index.json")]
         if bad:
@@ -123,6 +132,11 @@ def resolve_stream_files(stream, base: Path) -> tuple[list[str], str]:
     if len(files) >= 1 << 32:
         raise ValueError(f"too many files ({len(files)}) for 32-bit file indices")
     return files, fmt
+
+
+def _is_export_step(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith("step-") and name.endswith((".parquet", ".arrow"))
 
 
 def open_file(path: str, mode: str = "rb"):
@@ -285,6 +299,8 @@ def read_piece(piece: Piece, field: str) -> Iterator[tuple[int, Any, str | None]
             yield from _read_parquet(piece, field)
         elif piece.fmt == "mds":
             yield from _read_mds(piece, field)
+        elif piece.fmt == "export":
+            yield from _read_export(piece)
         else:  # pragma: no cover - config validation forbids this
             raise ValueError(f"unknown format {piece.fmt}")
     except _PieceError as e:
@@ -418,3 +434,58 @@ def _read_mds(piece: Piece, field: str):
             yield i, sample[field], None
         except Exception as e:
             yield i, None, f"corrupt sample: {type(e).__name__}: {e}"
+
+
+def _read_export(piece: Piece):
+    """Documents of one export step file: its rows' segments, in order (SPEC §3.2 schema).
+
+    Value: (tokens int32, loss int8) where loss is 1 where `labels` is not -100. Consecutive
+    segments of one document (same `stream` and `doc_id`, contiguous `doc_offset`: a document
+    split across rows of this file) are joined back into one. The record index counts the documents of
+    the file. A segment's first token always has label -100 (SPEC §3.2), so its loss flag is
+    0 here; re-packing masks it again anyway.
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = _open_or_fail(piece.path)
+    with f:
+        try:
+            if piece.path.endswith(".arrow"):
+                table = pa.ipc.open_file(pa.BufferReader(f.read())).read_all()
+            else:
+                table = pq.read_table(f)
+            need = ["input_ids", "labels", "seq_lens", "stream", "doc_id", "doc_offset"]
+            missing = [c for c in need if c not in table.column_names]
+            if missing:
+                raise _PieceError(f"not a tokenmill export step file: no column {missing[0]!r}")
+            ids = table.column("input_ids").combine_chunks()
+            L = ids.type.list_size
+            ids = ids.values.to_numpy().reshape(-1, L)
+            labels = table.column("labels").combine_chunks().values.to_numpy().reshape(-1, L)
+            lens = table.column("seq_lens").to_pylist()
+            docs = table.column("doc_id").to_pylist()
+            streams = table.column("stream").to_pylist()
+            offsets = table.column("doc_offset").to_pylist()
+        except _PieceError:
+            raise
+        except Exception as e:
+            raise _PieceError(f"corrupt or unreadable export file: {type(e).__name__}: {e}") from e
+    record, pending, last = 0, None, None
+    for r in range(len(lens)):
+        a = 0
+        for n, name, doc, off in zip(lens[r], streams[r], docs[r], offsets[r], strict=True):
+            tokens = ids[r, a : a + n]
+            loss = (labels[r, a : a + n] != -100).astype(np.int8)
+            a += n
+            if pending is not None and last == (name, doc, off):
+                pending = (np.concatenate([pending[0], tokens]), np.concatenate([pending[1], loss]))
+            else:
+                if pending is not None:
+                    yield piece.first_record + record, pending, None
+                    record += 1
+                pending = (tokens.astype(np.int32), loss)
+            last = (name, doc, off + n)
+    if pending is not None:
+        yield piece.first_record + record, pending, None

@@ -246,8 +246,9 @@ def verify_sample(texts: list[str], fraction: float) -> list[int]:
 
 
 # Which backend encoded a batch: blocks carry it per row, the feed reports tokens per name.
-BACKEND_HF, BACKEND_FAST, BACKEND_HF_FALLBACK = 0, 1, 2
-BACKEND_NAMES = ("hf", "tiktoken", "hf_fallback")
+# `pretokenized`: ids read as they are from an export (format: export), no tokenizer ran.
+BACKEND_HF, BACKEND_FAST, BACKEND_HF_FALLBACK, BACKEND_NONE = 0, 1, 2, 3
+BACKEND_NAMES = ("hf", "tiktoken", "hf_fallback", "pretokenized")
 
 
 class FastBackendError(ValueError):

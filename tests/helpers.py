@@ -38,6 +38,11 @@ def check_row(row: dict, seq_len: int, pad_id: int, loss_streams: set[str] = fro
         if row["stream"][k - 1] not in loss_streams:
             assert (labels[start + 1 : start + n] == ids[start + 1 : start + n]).all()
         start += n
+    for k in range(len(lens) - 1):  # a document's next piece in the same row continues it
+        same = (row["stream"][k], row["doc_id"][k]) == (row["stream"][k + 1], row["doc_id"][k + 1])
+        assert not (same and row["doc_offset"][k] + lens[k] == row["doc_offset"][k + 1]), (
+            "two adjacent segments are one document's contiguous pieces: should be one segment"
+        )
     pad = slice(total, seq_len)
     assert (seg[pad] == 0).all() and (labels[pad] == IGNORE).all() and (ids[pad] == pad_id).all()
 
