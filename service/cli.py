@@ -34,6 +34,16 @@ def _print_summary(s: dict) -> None:
     )
     print(f"packing          {100 * s['packing_efficiency']:.2f}% real tokens")
     print(f"elapsed          {s['elapsed_s']:.1f}s")
+    used = {k: v for k, v in s.get("tokenizer_backend", {}).items() if v}
+    if used:
+        total = sum(used.values())
+        print(
+            "tokenizer        "
+            + ", ".join(
+                f"{k} {v / total:.1%}" for k, v in sorted(used.items(), key=lambda kv: -kv[1])
+            )
+            + " of tokens read"
+        )
     print(
         f"{'stream':<12}{'target':>8}{'realized':>10}{'tokens':>14}{'docs':>9}{'skipped':>9}{'split':>7}{'trunc':>7}{'drop':>6}"
     )
