@@ -296,7 +296,8 @@ def next_steps(
 
 
 class FeedActor:
-    """A Feed inside a Ray actor. Steps are returned in groups to amortize the call cost."""
+    """A Feed behind a step interface (steps in groups, states, rejects, summary); export uses
+    it in-process and it can be hosted as a Ray actor as it is."""
 
     def __init__(
         self,
