@@ -174,7 +174,7 @@ def _extras(result: dict) -> str:
         "",
         "tokenmill steady state (first step to last): "
         + ", ".join(f"{k}: {v:,.0f} tok/s = {v / limit:.2f}x limit" for k, v in steady.items()),
-        "time to first step (export on the running Ray; actor and Ray Data start included): "
+        "time to first step (export on the running Ray; Ray Data start included): "
         + ", ".join(f"{k}: " + "/".join(f"{x:.1f}s" for x in v) for k, v in ttfb.items()),
         f"warm cluster (demo mixture): first batch {w['first_batch_s']:.2f}s; resume "
         + ", ".join(f"at step {s}: {t:.2f}s" for s, t in w["resume_s"].items())
