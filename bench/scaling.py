@@ -41,20 +41,10 @@ def _fast_rate(texts: list[str], repeats: int) -> list[float]:
 
 
 def _export(cfg, work: Path, tag: str) -> dict:
-    from service.export import run_export
+    from bench.suite import _run_tokenmill
 
-    out = work / tag
-    try:
-        s = run_export(cfg, out)
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
-    return {
-        "steady_tokens_per_s": s["tokens_per_s"],
-        "end_to_end_tokens_per_s": s["real_tokens"] / s["elapsed_s"],
-        "time_to_first_step_s": s["time_to_first_step_s"],
-        "tokens": s["real_tokens"],
-        "backend": s["tokenizer_backend"],
-    }
+    r = _run_tokenmill(cfg, work / tag)
+    return r | {"end_to_end_tokens_per_s": r["tokens"] / r["elapsed_s"]}
 
 
 def _point(label: str, cpus: int, start, stop, cfg, work: Path, repeats: int) -> list[dict]:

@@ -94,6 +94,7 @@ def _run_tokenmill(cfg, out: Path) -> dict:
         "time_to_first_step_s": s["time_to_first_step_s"],
         "steady_tokens_per_s": s["tokens_per_s"],
         "packing_efficiency": s["packing_efficiency"],
+        "tokenizer_backend": s["tokenizer_backend"],
     }
 
 
