@@ -176,6 +176,14 @@ def prometheus_text(m: dict, st: dict) -> str:
         g = Gauge(f"tokenmill_{metric}", doc, ["stream"], registry=reg)
         for name, s in m["streams"].items():
             g.labels(stream=name).set(s[key])
+    b = Gauge(
+        "tokenmill_tokenizer_backend_tokens",
+        "Tokens read, by the tokenizer backend that encoded them",
+        ["backend"],
+        registry=reg,
+    )
+    for backend, n in m.get("tokenizer_backend", {}).items():
+        b.labels(backend=backend).set(n)
     q = Gauge(
         "tokenmill_rank_queue_depth", "Produced steps a rank has not taken", ["rank"], registry=reg
     )

@@ -284,6 +284,7 @@ class BatchServer:
                 "rows": s["rows"],
                 "packing_efficiency": s["packing_efficiency"],
                 "streams": s["streams"],
+                "tokenizer_backend": s["tokenizer_backend"],
                 "queue_depth": queue,
                 "data_wait_s_last_60s": sum(w[2] for w in waits),
                 "data_wait_reports": len(waits),

@@ -44,10 +44,12 @@ def test_read_routes(client):
     assert st["state"] in ("running", "paused") and st["streams"] == ["web", "code"]
     m = client.get("/v1/metrics").json()
     assert set(m["streams"]) == {"web", "code"} and 0 < m["packing_efficiency"] <= 1
+    assert m["tokenizer_backend"]["tiktoken"] > 0  # which tokenizer ran is reported
     text = client.get("/metrics").text
     assert (
         "tokenmill_tokens_per_second" in text
         and 'tokenmill_stream_realized_share{stream="web"}' in text
+        and 'tokenmill_tokenizer_backend_tokens{backend="tiktoken"}' in text
     )
     mix = client.get("/v1/mixture").json()
     assert mix["weights"] == pytest.approx({"web": 0.6, "code": 0.4})
