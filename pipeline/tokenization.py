@@ -129,17 +129,30 @@ FAST_PROBE = (
 
 
 class FastEncoder:
-    """tiktoken's BPE over the same ranks, used only where it reproduces the HF tokenizer."""
+    """tiktoken's BPE over the same ranks, used only where it reproduces the HF tokenizer.
+
+    `normalize`: a Unicode normal form the HF tokenizer applies first (e.g. Qwen2's NFC).
+    """
 
     name = "tiktoken"
 
-    def __init__(self, encoding):
+    def __init__(self, encoding, normalize: str | None = None):
         self.encoding = encoding
+        self.normalize = normalize
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         # encode_ordinary: special-token text is text, as with encode_special_tokens=True.
         enc = self.encoding.encode_ordinary
+        if self.normalize is not None:
+            import unicodedata
+
+            form = self.normalize
+            return [enc(unicodedata.normalize(form, t)) for t in texts]
         return [enc(t) for t in texts]
+
+
+# GPT-2's split, which HF's ByteLevel pre-tokenizer applies itself when `use_regex` is on.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 def _bytes_decoder() -> dict[str, int]:
@@ -159,8 +172,9 @@ def _fast_encoder_from_hf(tok, default: bool) -> FastEncoder | None:
     """A tiktoken encoder for a byte-level BPE tokenizer, or None if it has no such form.
 
     The default tokenizer uses the cl100k ranks file itself. Any other tokenizer qualifies
-    when it is byte-level BPE behind one Split regex, with no normalizer or byte fallback;
-    its vocab ids become the ranks (true of tiktoken-born vocabularies such as Llama 3's).
+    when it is byte-level BPE behind one Split regex (Llama 3, Qwen2) or behind ByteLevel's
+    own GPT-2 split, with no byte fallback and no normalizer other than NFC/NFKC; its vocab
+    ids become the ranks (true of tiktoken-born vocabularies and of GPT-2's).
     Exactness is not assumed: the probe and the per-batch samples decide.
     """
     try:
@@ -181,8 +195,14 @@ def _fast_encoder_from_hf(tok, default: bool) -> FastEncoder | None:
         )
     d = json.loads(tok.to_str())
     model, pre = d.get("model") or {}, d.get("pre_tokenizer") or {}
-    if model.get("type") != "BPE" or d.get("normalizer") or model.get("byte_fallback"):
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
         return None
+    normalizer = d.get("normalizer")
+    normalize = None
+    if normalizer is not None:
+        if normalizer.get("type") not in ("NFC", "NFKC"):
+            return None
+        normalize = normalizer["type"]
     steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
     pattern = None
     for step in steps:
@@ -191,8 +211,12 @@ def _fast_encoder_from_hf(tok, default: bool) -> FastEncoder | None:
                 return None
             pattern = step["pattern"]["Regex"]
         elif step.get("type") == "ByteLevel":
-            if step.get("use_regex", True) or step.get("add_prefix_space"):
+            if step.get("add_prefix_space"):
                 return None
+            if step.get("use_regex", True):  # GPT-2 style: the split is ByteLevel's own
+                if pattern:
+                    return None
+                pattern = GPT2_PATTERN
         else:
             return None
     if pattern is None:
@@ -208,7 +232,7 @@ def _fast_encoder_from_hf(tok, default: bool) -> FastEncoder | None:
         enc = tiktoken.Encoding("hf", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
     except Exception:  # e.g. a pattern fancy-regex cannot compile: no fast backend
         return None
-    return FastEncoder(enc)
+    return FastEncoder(enc, normalize)
 
 
 def _hf_ids(tok, texts: list[str]) -> list[list[int]]:

@@ -152,3 +152,31 @@ def test_fast_backend_on_hostile_texts(tokenizer):
     flat, offsets, backend = every.encode_verified(texts)
     assert backend == BACKEND_FAST
     assert flat.tolist() == tokenizer.encode(texts)[0].tolist()
+
+
+@pytest.mark.parametrize("variant", ["gpt2_bytelevel", "nfc"])
+def test_other_byte_level_forms_get_an_exact_fast_backend(tmp_path, variant):
+    """GPT-2-style (ByteLevel's own split) and NFC-normalized (Qwen2-style) tokenizer.json
+    files are ported too, and give the HF ids, decomposed accents and digit runs included."""
+    d = json.loads(default_tokenizer_file().read_text())
+    if variant == "gpt2_bytelevel":
+        d["pre_tokenizer"] = {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": True,
+            "use_regex": True,
+        }
+    else:
+        d["normalizer"] = {"type": "NFC"}
+    path = tmp_path / f"{variant}.json"
+    path.write_text(json.dumps(d))
+    tok = load_tokenizer(TokenizerConfig(name=str(path), eos_id=100257))
+    assert tok.fast is not None, variant
+    texts = ["cafe\u0301 nai\u0308ve 12345 x  \n\n y", *stdlib_texts(5)]
+    every = _with_fast(tok, tok.fast, "auto")
+    from dataclasses import replace
+
+    every = replace(every, verify_fraction=1.0)
+    flat, _, backend = every.encode_verified(texts)
+    assert backend == BACKEND_FAST
+    assert flat.tolist() == tok.encode(texts)[0].tolist()
