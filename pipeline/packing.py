@@ -252,7 +252,7 @@ class ConcatPacker(Packer):
                     self.finished = True
                 break
             piece = self._pending[s][0]
-            take = min(piece.length, room)
+            take = min(piece.length, room, self.mixer.quota(s, self.seq_len))
             last = row[-1] if row else None
             if (
                 last is not None

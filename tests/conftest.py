@@ -8,6 +8,13 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples every run (CI must not pass or fail by luck);
+# HYPOTHESIS_PROFILE=explore draws fresh ones, as a search for new counterexamples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
