@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     cap = args.cap_mb << 20
     code = build_demo_corpus() / "code.jsonl"
     epochs = max(1, round(args.times * cap / code.stat().st_size + 0.5))
-    ray.init(num_cpus=2, object_store_memory=cap, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, object_store_memory=cap, include_dashboard=False)
     state = get_state_from_address(ray.get_runtime_context().gcs_address)
     samples: list[dict] = []
     stop = threading.Event()

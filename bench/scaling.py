@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                 f"1 node, {n} CPU",
                 n,
                 lambda n=n: ray.init(
-                    num_cpus=n, object_store_memory=store, include_dashboard=False
+                    address="local", num_cpus=n, object_store_memory=store, include_dashboard=False
                 ),
                 ray.shutdown,
                 cfg,

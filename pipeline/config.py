@@ -122,6 +122,12 @@ class ScheduleEntry(_Frozen):
 class ServiceConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # A rank not heard from for this long is reported lost and stops holding steps back;
+    # None: never (a step then waits for every rank, however long).
+    rank_timeout_s: float | None = Field(default=600.0, gt=0)
+    # Serve mode appends skipped records here (relative: to the `serve` working directory);
+    # None: count them only.
+    rejects: str | None = "rejects.jsonl"
 
 
 class Config(_Frozen):

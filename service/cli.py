@@ -10,6 +10,11 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, load_config
 
+ADDRESS_HELP = (
+    "Ray cluster to join (`auto`: the one Ray finds; default: a new, private local Ray, never "
+    "a cluster that happens to run here)"
+)
+
 
 def _progress(every_s: float = 5.0):
     last = [0.0]
@@ -96,6 +101,18 @@ def cmd_serve(args) -> int:
     )  # fmt: skip
 
 
+def cmd_stop(args) -> int:
+    from service.serve import run_stop
+
+    return run_stop(args.name, args.address)
+
+
+def cmd_status(args) -> int:
+    from service.serve import run_status
+
+    return run_status(args.name, args.address, as_json=args.json)
+
+
 def cmd_check(args) -> int:
     from pipeline.stats import scan
 
@@ -162,9 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "--resume", default=None, help="start from a state (GET /v1/state, state-N.json)"
     )
-    v.add_argument(
-        "--address", default=None, help="Ray cluster address (default: embedded local Ray)"
-    )
+    v.add_argument("--address", default=None, help=ADDRESS_HELP)
     v.add_argument("--host", default=None, help="API bind address (default: config, 127.0.0.1)")
     v.add_argument("--port", type=int, default=None)
     v.add_argument(
@@ -173,15 +188,26 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--allow-config-change", action="store_true")
     v.set_defaults(func=cmd_serve)
 
+    for verb, func, doc in (("stop", cmd_stop, "stop a running service (its serve drains and exits)"),
+                            ("status", cmd_status, "print a running service's status")):  # fmt: skip
+        x = sub.add_parser(verb, help=doc)
+        x.add_argument("--name", default="tokenmill", help="the service name (default tokenmill)")
+        x.add_argument(
+            "--address", default=None,
+            help="its Ray cluster (default: from the service's record on this machine, else "
+            "RAY_ADDRESS, else the one cluster running here)",
+        )  # fmt: skip
+        if verb == "status":
+            x.add_argument("--json", action="store_true", help="status and metrics as JSON")
+        x.set_defaults(func=func)
+
     e = sub.add_parser("export", help="write the served batch sequence to files")
     e.add_argument("--config", required=True)
     e.add_argument("--out", required=True)
     e.add_argument("--steps", type=int, default=None, help="global steps to write (default: all)")
     e.add_argument("--world-size", type=int, default=1)
     e.add_argument("--format", choices=["parquet", "arrow", "mds"], default="parquet")
-    e.add_argument(
-        "--address", default=None, help="Ray cluster address (default: embedded local Ray)"
-    )
+    e.add_argument("--address", default=None, help=ADDRESS_HELP)
     e.add_argument(
         "--state-every", type=int, default=0, help="write DIR/state-N.json every K steps"
     )
@@ -213,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=60)
     d.add_argument("--json", default=None)
     d.add_argument("--out", default=None, help="where to export (default: a temporary directory)")
-    d.add_argument("--address", default=None)
+    d.add_argument("--address", default=None, help=ADDRESS_HELP)
     d.set_defaults(func=cmd_demo)
     return p
 
@@ -244,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {note}", file=sys.stderr)
         return 1
     finally:
-        if args.command != "check":
+        if args.command not in ("check", "status"):
             print(f"({time.monotonic() - t0:.1f}s)", file=sys.stderr)
 
 

@@ -1,25 +1,145 @@
-"""Connecting to Ray: an existing cluster (`--address`), or an embedded local one."""
+"""Connecting to Ray: a cluster named on purpose, or a new, private local one.
+
+Isolation. Without an address (`--address`, `TOKENMILL_RAY_ADDRESS` or `RAY_ADDRESS`) every
+command starts its own local Ray (`ray.init(address="local")`). It never joins a cluster it
+happens to find: a workstation where someone once ran `ray start` (a stale
+`ray_current_cluster` file is enough) or a CI machine shared with other jobs would otherwise
+hand us a foreign cluster, on which `num_cpus` is refused. `--address auto` joins the cluster
+Ray finds, on purpose. Once tokenmill shuts its Ray down, Ray's implicit `ray.init` on the
+next API call is switched off, so a leftover background thread raises instead of quietly
+joining some other cluster.
+
+Token authentication (Ray 2.5x). A cluster started with `RAY_AUTH_MODE=token` refuses clients
+without its token, and Ray itself only looks for one when the mode is set by hand or the
+address is found automatically. We look where Ray documents it (`RAY_AUTH_TOKEN`,
+`RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`) and turn token mode on when a token is there;
+a cluster without authentication accepts such a client too. Before `ray.init`, a single gRPC
+call to the cluster's GCS (5 s) tells an unreachable cluster, a missing token and a wrong
+token apart, so the user gets one line that says what to do instead of Ray's 20 s of retries.
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-NAMESPACE = "tokenmill"
+from service.protocol import NAMESPACE
+
 # Every Ray worker runs one tokenizer thread: Ray already runs one worker per core, and a
 # rayon pool per worker would oversubscribe the cores.
 WORKER_ENV = {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+PROBE_TIMEOUT_S = 5.0
+_TOKEN_HELP = (
+    "put the cluster's token in ~/.ray/auth_token, or set RAY_AUTH_TOKEN (the token) or "
+    "RAY_AUTH_TOKEN_PATH (a file holding it); `ray get-auth-token` on the head node prints it"
+)
+
+
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot be reached or refuses us; the message says what to do."""
+
+
+def requested_address(address: str | None) -> str | None:
+    """The address the user asked for, in order: argument, TOKENMILL_RAY_ADDRESS, RAY_ADDRESS.
+    None means: start a private local Ray. (Under `ray job submit` the supervisor sets
+    RAY_ADDRESS, so the job joins its own cluster.)"""
+    for value in (address, os.environ.get("TOKENMILL_RAY_ADDRESS"), os.environ.get("RAY_ADDRESS")):
+        if value:
+            return value
+    return None
+
+
+def client_address(address: str | None) -> str:
+    """The cluster a client (a trainer rank, `tokenmill stop`) joins: the one named, else the
+    only Ray cluster running on this machine. Several is an error, never a guess."""
+    named = requested_address(address)
+    if named:
+        return named
+    from ray._private.services import find_gcs_addresses
+
+    found = sorted(find_gcs_addresses())
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise ClusterError(
+            "no Ray cluster runs on this machine and none was named: pass the address of the "
+            "cluster that runs tokenmill (address=..., --address, or RAY_ADDRESS)"
+        )
+    raise ClusterError(
+        f"{len(found)} Ray clusters run on this machine ({', '.join(found)}): say which one "
+        "runs tokenmill with address=..., --address, or RAY_ADDRESS"
+    )
+
+
+def auth_token_available() -> bool:
+    """Whether a Ray auth token is where Ray documents it."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    candidates = [Path(path).expanduser()] if path else [Path.home() / ".ray" / "auth_token"]
+    return any(p.is_file() and p.stat().st_size > 0 for p in candidates)
+
+
+def enable_token_auth() -> None:
+    """Token mode on when a token is available and the user has not chosen a mode.
+
+    Set in our environment, so child processes (torchrun ranks) inherit it. A cluster without
+    authentication ignores the token."""
+    if os.environ.get("RAY_AUTH_MODE") is None and auth_token_available():
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()  # sets RAY_AUTH_MODE=token and reloads Ray's cached config
+
+
+def gcs_address(address: str) -> str | None:
+    """host:port of the GCS that `address` names (resolving `auto`); None for `ray://`."""
+    if address.startswith("ray://"):
+        return None
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    return canonicalize_bootstrap_address_or_die(address)
+
+
+def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """One gRPC call to the GCS at `address`; raises ClusterError with advice on failure."""
+    import grpc
+    from ray._private.gcs_utils import create_gcs_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    channel = create_gcs_channel(address)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+    except grpc.RpcError as e:
+        code = e.code() if hasattr(e, "code") else None
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+                what = "requires token authentication but RAY_AUTH_MODE=disabled is set: unset it"
+            elif auth_token_available():
+                what = f"refused our auth token (a different cluster's?): {_TOKEN_HELP}"
+            else:
+                what = f"requires an auth token and none was found: {_TOKEN_HELP}"
+            raise ClusterError(f"the Ray cluster at {address} {what}") from None
+        raise ClusterError(
+            f"no Ray cluster answers at {address} within {timeout_s:.0f}s ({code.name if code else e}); "
+            "check the address (`ray status` on the head node prints it)"
+        ) from None
+    finally:
+        channel.close()
 
 
 def connect(
     address: str | None = None, object_store_memory: int | None = None, num_cpus: int | None = None
-):
-    """Start or join Ray once per process. Returns True if this call started a local cluster."""
+) -> bool:
+    """Join the cluster the user named, or start a private local Ray. Once per process.
+
+    Returns True if this call started a local Ray (the caller shuts it down with `shutdown`)."""
     import ray
 
+    _auto_init(False)  # explicit ray.init only, here and after `shutdown`
     if ray.is_initialized():
         return False
-    # Under `ray job submit` the job supervisor sets RAY_ADDRESS: join that cluster.
-    address = address or os.environ.get("TOKENMILL_RAY_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    address = requested_address(address)
     kwargs = dict(
         namespace=NAMESPACE,
         runtime_env={"env_vars": dict(WORKER_ENV)},
@@ -27,14 +147,36 @@ def connect(
         configure_logging=False,
     )
     if address:
-        ray.init(address=address, **kwargs)
+        enable_token_auth()
+        gcs = gcs_address(address)
+        if gcs:
+            probe(gcs)
+        ray.init(address=gcs or address, **kwargs)
         return False
     if object_store_memory is None:
         object_store_memory = int(os.environ.get("TOKENMILL_OBJECT_STORE_BYTES", 1 << 30))
     ray.init(
+        address="local",
         num_cpus=num_cpus or os.cpu_count(),
         object_store_memory=object_store_memory,
         include_dashboard=False,
         **kwargs,
     )
     return True
+
+
+def shutdown(started: bool) -> None:
+    """Leave Ray: shut it down if we started it, and never let a straggling thread re-init."""
+    import ray
+
+    if started:
+        ray.shutdown()
+    _auto_init(False)
+
+
+def _auto_init(enabled: bool) -> None:
+    """Ray calls `ray.init()` (joining whatever it finds) on the first API call of a process
+    that is not connected. We never want that once our own Ray is gone."""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = enabled

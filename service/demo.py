@@ -52,8 +52,8 @@ def _free_port() -> int:
 def run_demo(steps: int = 60, out: str | None = None, address: str | None = None) -> dict:
     import ray
 
-    from service.cluster import connect
-    from service.serve import start_server
+    from service.cluster import connect, shutdown
+    from service.serve import _close, start_server
 
     corpus = build_demo_corpus()
     print(f"demo corpus: {corpus}", flush=True)
@@ -96,9 +96,8 @@ def run_demo(steps: int = 60, out: str | None = None, address: str | None = None
         )
         metrics = ray.get(actor.metrics.remote(), timeout=30)
     finally:
-        ray.kill(actor)
-        if started:
-            ray.shutdown()
+        _close(actor)
+        shutdown(started)
     mixture = {
         n: {"target": s["target_share"], "realized": s["realized_share"]}
         for n, s in metrics["streams"].items()

@@ -1,31 +1,44 @@
-"""The batch server: a named, detached Ray actor that owns the feed and hands out batches.
+"""The batch server: the Ray actor that owns the feed and hands out batches.
 
-A producer thread runs the deterministic Feed and keeps the global steps it made in a
-window. Rank r of W asks for step s and gets an ObjectRef to its Arrow slice (rows
-[r*G/W, (r+1)*G/W) of step s), put into the object store on first request and shared
-by zero-copy reads. Per-step resumable states are kept for `GET /v1/state?step=N`.
+Three Ray-free parts do the work, each unit-tested on its own:
+- `window.StepWindow`: the world, retention (a step is held until every rank of the world has
+  taken it) and flow control (at most `prefetch` steps ahead of the slowest live rank);
+- `producer.Producer`: the deterministic Feed on a thread, one step at a time, into the window;
+- `telemetry.Telemetry`: throughput history, data wait per rank, the rejects buffer.
 
-Flow control: the producer stays at most `prefetch` steps ahead of the slowest active rank.
-A slow rank therefore holds the others back by at most `prefetch` steps, never more, and a
-rank that disappears is dropped after `rank_timeout_s` so it stops holding anyone back (the
-failure of Ray Data's `streaming_split` that ray-project/ray#41973 describes). A rank that
-asks for a step older than the window gets a clear error, not a hang.
+This class joins them under one condition variable and adds what needs Ray: rank r of W asks
+for step s and gets an ObjectRef to its Arrow slice (rows [r*G/W, (r+1)*G/W) of step s), put
+into the object store on first request and shared by zero-copy reads. Requests are long polls
+of at most `POLL_S` seconds (protocol.StepReply `wait`), so a blocked rank holds a thread of
+the `consumers` group only briefly, the server notices a rank that stopped asking, and the API
+(group `control`) always has threads of its own.
+
+The actor is not detached: it lives as long as the process that started it (`tokenmill serve`,
+or the Ray job), so a killed `serve` never leaves a service behind that blocks the next one.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
-from collections import OrderedDict, deque
 
 from pipeline.config import Config
 from pipeline.feed import Feed, rank_slice
+from service.producer import Producer
+from service.protocol import (
+    POLL_S,
+    STOPPING,
+    StepGone,
+    StepReply,
+    Welcome,
+)
+from service.telemetry import Telemetry
+from service.window import StepWindow
 
 SERVER_NAME = "tokenmill"
-
-
-class StepGone(LookupError):
-    """The requested step fell out of the server's window."""
+_DEFAULT = object()
 
 
 class BatchServer:
@@ -35,260 +48,241 @@ class BatchServer:
         state: dict | None = None,
         prefetch: int = 8,
         keep_states: int = 10_000,
-        rank_timeout_s: float = 120.0,
+        rank_timeout_s: float | None | object = _DEFAULT,
         allow_config_change: bool = False,
     ):
         self.cfg = Config.model_validate(cfg_json)
         self.prefetch = max(1, prefetch)
         self.keep_states = keep_states
-        self.rank_timeout_s = rank_timeout_s
-        self._lock = threading.Condition()
-        self._steps: OrderedDict[int, object] = OrderedDict()  # step -> RecordBatch
-        self._slices: dict[tuple[int, int, int], object] = {}  # (step, rank, world) -> ref
-        self._states: OrderedDict[int, dict] = OrderedDict()
-        self._ranks: dict[tuple[int, int], dict] = {}  # (rank, world) -> {"next": s, "seen": t}
-        self._waits: deque = deque(maxlen=10_000)  # (time, rank, seconds)
-        self._paused = False
-        self._producing = False
-        self._status = "starting"
-        self._error: str | None = None
+        self.rank_timeout_s = (
+            self.cfg.service.rank_timeout_s if rank_timeout_s is _DEFAULT else rank_timeout_s
+        )
+        self._cond = threading.Condition()
+        self._slices: dict[int, dict[int, object]] = {}  # step -> {rank: [ref]} (this world)
+        self.telemetry = Telemetry()
         self._started = time.time()
-        self._history: deque = deque(maxlen=3600)  # (time, tokens, rows, shares) per second
+        self._stop_requested = False
+        self._owner: dict = {}
+        self._seek_lock = threading.Lock()  # ranks resuming together restart the feed once
+        self._seeked: dict | None = None
         self._start_feed(state, allow_config_change)
 
     # -- production -------------------------------------------------------------------------
 
     def _start_feed(self, state: dict | None, allow_config_change: bool = False) -> None:
-        self.feed = Feed(self.cfg, state=state, allow_config_change=allow_config_change)
-        self.base_step = self.feed.step  # the first step this server produces
-        self._states[self.feed.step] = self.feed.state()
-        self._generation = getattr(self, "_generation", 0) + 1
-        gen = self._generation
-        self._thread = threading.Thread(target=self._produce, args=(gen,), daemon=True)
-        self._thread.start()
-
-    def _active_min_next(self) -> int | None:
-        now = time.time()
-        alive = [r["next"] for r in self._ranks.values() if now - r["seen"] < self.rank_timeout_s]
-        return min(alive) if alive else None
-
-    def _produce(self, gen: int) -> None:
-        try:
-            self._status = "running"
-            while True:
-                with self._lock:
-                    while gen == self._generation and (
-                        self._paused or self._ahead() >= self.prefetch
-                    ):
-                        self._status = "paused" if self._paused else "running"
-                        self._lock.wait(timeout=1.0)
-                    if gen != self._generation:
-                        return
-                    self._status = "running"
-                    self._producing = True
-                batch = self.feed.next_step()
-                with self._lock:
-                    self._producing = False
-                    if gen != self._generation:
-                        return
-                    if batch is None:
-                        self._status = "finished"
-                        self._lock.notify_all()
-                        return
-                    step = int(batch.schema.metadata[b"global_step"])
-                    self._steps[step] = batch
-                    self._states[self.feed.step] = self.feed.state()
-                    while len(self._states) > self.keep_states:
-                        self._states.popitem(last=False)
-                    self._evict()
-                    self._record_history()
-                    self._lock.notify_all()
-        except Exception as e:  # carried to every consumer by `get`, never swallowed
-            with self._lock:
-                self._status = "failed"
-                self._error = f"{type(e).__name__}: {e}"
-                self._lock.notify_all()
-
-    def _ahead(self) -> int:
-        """How many produced steps the slowest active rank has not taken yet."""
-        produced = self.feed.step
-        slowest = self._active_min_next()
-        if slowest is None:  # nobody connected yet: fill the prefetch window
-            slowest = self.base_step
-        return produced - slowest
-
-    def _evict(self) -> None:
-        slowest = self._active_min_next()
-        floor = (
-            self.feed.step - self.prefetch - 1
-            if slowest is None
-            else min(slowest, self.feed.step) - 1
+        self.feed = Feed(
+            self.cfg,
+            state=state,
+            allow_config_change=allow_config_change,
+            on_reject=self.telemetry.add_reject,
         )
-        for s in [s for s in self._steps if s < floor]:
-            del self._steps[s]
-            for key in [k for k in self._slices if k[0] == s]:
-                del self._slices[key]
+        self.window = StepWindow(self.feed.step, self.prefetch, self.rank_timeout_s)
+        self._slices.clear()
+        self.producer = Producer(
+            self.feed, self.window, self._cond, self.keep_states, on_step=self._on_step
+        ).start()
 
-    def _record_history(self) -> None:
-        now = time.time()
-        if self._history and now - self._history[-1][0] < 1.0:
-            return
-        self._history.append(
-            (now, self.feed.real_tokens, self.feed.rows, self.feed.mixer.realized())
-        )
+    def _on_step(self) -> None:  # under the lock, after each produced step
+        self._sample(force=False)
+        self._prune()
 
-    # -- consumers ---------------------------------------------------------------------------
+    def _sample(self, force: bool) -> None:
+        m = self.feed.mixer
+        targets = dict(zip(m.names, m.scheduled_weights(max(self.feed.step - 1, 0)).tolist(), strict=True))  # fmt: skip
+        self.telemetry.sample(self.feed.real_tokens, self.feed.rows, m.realized(), targets, force)
 
-    def get(self, rank: int, world_size: int, step: int, timeout_s: float = 60.0):
-        """Rank `rank`'s slice of global `step`: [ObjectRef], or None when the data has ended."""
+    def _prune(self) -> None:
+        for s in [s for s in self._slices if s not in self.window.steps]:
+            del self._slices[s]
+
+    # -- consumers (concurrency group `consumers`) --------------------------------------------
+
+    def hello(self, rank: int, world_size: int, state: dict | None = None) -> Welcome:
+        """A rank joins (the first declares the world), optionally resuming from `state`."""
+        if state is not None:
+            self.seek(state)
+        with self._cond:
+            self.window.declare(rank, world_size, resuming=state is not None)
+            self._cond.notify_all()
+            return Welcome(self.window.ranks[rank].next, self.window.world)
+
+    def get(self, rank: int, world_size: int, step: int, wait_s: float = POLL_S) -> StepReply:
+        """Rank `rank`'s slice of global `step`, waiting at most `wait_s` for it."""
         import ray
 
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
-        if self.cfg.global_batch_size % world_size:
-            raise ValueError(
-                f"world size {world_size} does not divide global_batch_size {self.cfg.global_batch_size}"
-            )
-        deadline = time.time() + timeout_s
-        with self._lock:
-            self._ranks[(rank, world_size)] = {"next": step, "seen": time.time()}
-            self._lock.notify_all()
-            while step not in self._steps:
-                if self._error:
-                    raise RuntimeError(f"the feed failed: {self._error}")
-                if step < self.base_step or (self._steps and step < next(iter(self._steps))):
-                    raise StepGone(
-                        f"step {step} is no longer held (the server holds steps "
-                        f"{next(iter(self._steps), self.base_step)}..{self.feed.step - 1}); resume "
-                        "from a saved state instead"
-                    )
-                if self._status == "finished" and step >= self.feed.step:
-                    return None
-                left = deadline - time.time()
+        self._check_world(world_size)
+        deadline = time.monotonic() + max(0.0, min(wait_s, 30.0))
+        with self._cond:
+            while True:
+                batch = self.window.take(rank, world_size, step)
+                if batch is not None:
+                    refs = self._slices.setdefault(step, {})
+                    if rank not in refs:
+                        part = rank_slice(batch, rank, world_size, self.cfg.global_batch_size)
+                        refs[rank] = ray.put(part)
+                    reply = StepReply("ready", [refs[rank]])
+                    self._prune()
+                    self._cond.notify_all()  # the producer may have room now
+                    return reply
+                if self.producer.error:
+                    raise RuntimeError(f"the feed failed: {self.producer.error}")
+                if self._stop_requested:
+                    return StepReply("stopped")
+                if self.producer.ended:
+                    return StepReply("end")
+                left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"step {step} was not produced within {timeout_s}s")
-                self._lock.wait(timeout=min(left, 1.0))
-            key = (step, rank, world_size)
-            ref = self._slices.get(key)
-            if ref is None:
-                part = rank_slice(self._steps[step], rank, world_size, self.cfg.global_batch_size)
-                ref = self._slices[key] = ray.put(part)
-            self._ranks[(rank, world_size)] = {"next": step + 1, "seen": time.time()}
-            self._lock.notify_all()
-            return [ref]  # wrapped, so that Ray hands the caller the ref, not the value
+                    return StepReply("wait", reason=self._why_waiting())
+                self._cond.wait(timeout=min(left, 1.0))
+
+    def _check_world(self, world_size: int) -> None:
+        G = self.cfg.global_batch_size
+        if world_size < 1 or G % world_size:
+            raise ValueError(f"world size {world_size} does not divide global_batch_size {G}")
+
+    def _why_waiting(self) -> str:
+        if self.producer.paused:
+            return "paused"
+        if self.window.room() or self.producer.busy:
+            return "producing"
+        slow = [
+            r
+            for r, v in self.window.rank_view().items()
+            if not v["lost"] and v["next_step"] == self.window.floor()
+        ]
+        return f"waiting for rank(s) {slow} (prefetch window of {self.prefetch} steps is full)"
 
     def first_step(self) -> int:
-        return self.base_step
+        return self.window.start
 
     def report_wait(self, rank: int, seconds: float) -> None:
-        self._waits.append((time.time(), rank, float(seconds)))
+        self.telemetry.report_wait(rank, seconds)
 
     def state(self, step: int | None = None) -> dict:
-        with self._lock:
-            if step is None:
-                step = max(self._states)
-            if step not in self._states:
-                held = (
-                    f"{next(iter(self._states))}..{max(self._states)}" if self._states else "none"
-                )
+        with self._cond:
+            states = self.producer.states
+            step = max(states) if step is None else step
+            if step not in states:
+                held = f"{next(iter(states))}..{max(states)}" if states else "none"
                 raise StepGone(f"no state for step {step} (states held: {held})")
-            return self._states[step]
+            return states[step]
 
     def seek(self, state: dict) -> int:
-        """Continue from `state` (a trainer resuming). A no-op when the step is still held."""
+        """Continue from `state` (ranks resuming). A no-op when that step is still held."""
         step = int(state["step"])
-        with self._lock:
-            if (
-                step in self._states
-                and self._states[step] == state
-                and (step in self._steps or step == self.feed.step)
-            ):
-                return step
-            self._generation += 1  # stops the old producer
-            self._lock.notify_all()
-        self._thread.join(timeout=30)
-        with self._lock:
-            self._steps.clear()
-            self._slices.clear()
-            self._ranks.clear()
-            self._error = None
-        self.feed.close()  # stop the old feed's reads before starting the new one's
-        self._start_feed(state)
-        return step
+        with self._seek_lock:
+            with self._cond:
+                held = step in self.window.steps or step == self.window.produced
+                if held and state in (self.producer.states.get(step), self._seeked):
+                    return step
+            self.producer.stop()  # also stops the old feed's reads before the new one starts
+            with self._cond:
+                self._start_feed(state)
+                self._seeked = state
+                self._cond.notify_all()
+            return step
 
-    # -- control -----------------------------------------------------------------------------
+    # -- control (concurrency group `control`) ------------------------------------------------
 
     def set_weights(self, weights: dict[str, float]) -> int:
         """New weights, effective at the first step whose production has not begun."""
-        with self._lock:
-            return self.feed.set_weights(weights, self.feed.step + int(self._producing))
+        missing = sorted(set(self.cfg.streams) - set(weights))
+        if missing:
+            raise ValueError(
+                f"weights must name every stream; missing: {', '.join(missing)} "
+                f"(streams: {', '.join(self.cfg.streams)})"
+            )
+        with self._cond:
+            step = self.feed.set_weights(weights, self.feed.step + int(self.producer.busy))
+            self._sample(force=True)
+            return step
 
     def pause(self) -> str:
-        with self._lock:
-            self._paused = True
-            self._lock.notify_all()
+        self.producer.set_paused(True)
         return "paused"
 
     def resume(self) -> str:
-        with self._lock:
-            self._paused = False
-            self._lock.notify_all()
+        self.producer.set_paused(False)
         return "running"
 
+    def heartbeat(self, owner: dict | None = None) -> None:
+        """The `serve` process says it is alive (a service whose owner stopped beating is stale)."""
+        self._owner = dict(owner or self._owner, beat=time.time())
+
+    def request_stop(self) -> str:
+        """`tokenmill stop`: ranks get `end`, and the owning `serve` drains and exits."""
+        with self._cond:
+            self._stop_requested = True
+            self._cond.notify_all()
+        return STOPPING
+
+    def drain_rejects(self) -> list[dict]:
+        with self._cond:
+            return self.telemetry.drain_rejects()
+
+    def close(self) -> None:
+        self.producer.stop()
+
     def mixture(self) -> dict:
-        with self._lock:
+        with self._cond:
             m = self.feed.mixer
             return {
                 "weights": dict(
                     zip(m.names, m.scheduled_weights(self.feed.step).tolist(), strict=True)
-                ),
+                ),  # fmt: skip
                 "realized": m.realized(),
                 "history": [c.as_dict() for c in m.history],
                 "step": self.feed.step,
             }
 
     def status(self) -> dict:
-        with self._lock:
-            worlds = sorted({w for _, w in self._ranks})
+        with self._cond:
+            ranks = self.window.rank_view()
+            beat = self._owner.get("beat")
             return {
-                "state": self._status,
-                "error": self._error,
+                "state": STOPPING if self._stop_requested else self.producer.state,
+                "error": self.producer.error,
                 "streams": list(self.cfg.streams),
-                "world_size": worlds[-1] if worlds else None,
-                "global_step": self.feed.step,
+                "world_size": self.window.world,
+                "ranks_connected": sum(r["connected"] for r in ranks.values()),
+                "lost_ranks": [r for r, v in ranks.items() if v["lost"]],
+                "global_step": self.window.produced,
+                "first_step": self.window.start,
                 "uptime_s": time.time() - self._started,
                 "config_hash": self.feed.config_hash,
+                "owner": {k: v for k, v in self._owner.items() if k != "beat"},
+                "owner_beat_s_ago": None if beat is None else time.time() - beat,
+                "server": {"pid": os.getpid(), "host": socket.gethostname()},
             }
 
     def metrics(self) -> dict:
-        with self._lock:
+        with self._cond:
             s = self.feed.summary()
-            now = time.time()
-            hist = list(self._history)
-            rate_tok = rate_rows = 0.0
-            recent = [h for h in hist if now - h[0] <= 30]
-            if len(recent) >= 2:
-                dt = recent[-1][0] - recent[0][0]
-                rate_tok = (recent[-1][1] - recent[0][1]) / dt if dt else 0.0
-                rate_rows = (recent[-1][2] - recent[0][2]) / dt if dt else 0.0
-            G = self.cfg.global_batch_size
-            queue = {
-                f"{r}/{w}": max(0, self.feed.step - v["next"]) for (r, w), v in self._ranks.items()
-            }
-            waits = [w for w in self._waits if now - w[0] <= 60]
+            tel = self.telemetry
+            tok_rate, row_rate = tel.rates()
+            ranks = self.window.rank_view()
+            waits = tel.wait_by_rank()
+            for r, v in ranks.items():
+                v["wait_s_last_60s"], v["waits"] = waits.get(r, (0.0, 0))
+            all_waits = list(waits.values())
             return {
-                "tokens_per_s": rate_tok,
-                "batches_per_s": rate_rows / G,
-                "global_step": self.feed.step,
+                "tokens_per_s": tok_rate,
+                "batches_per_s": row_rate / self.cfg.global_batch_size,
+                "global_step": self.window.produced,
+                "held_steps": len(self.window.steps),
+                "prefetch": self.prefetch,
                 "real_tokens": s["real_tokens"],
                 "rows": s["rows"],
                 "packing_efficiency": s["packing_efficiency"],
                 "streams": s["streams"],
                 "tokenizer_backend": s["tokenizer_backend"],
-                "queue_depth": queue,
-                "data_wait_s_last_60s": sum(w[2] for w in waits),
-                "data_wait_reports": len(waits),
-                "history": [
-                    {"t": h[0], "tokens": h[1], "rows": h[2], "shares": h[3]} for h in hist[-600:]
-                ],
+                "world_size": self.window.world,
+                "ranks": {str(r): v for r, v in ranks.items()},
+                "queue_depth": {str(r): v["lag"] for r, v in ranks.items()},
+                "data_wait_s_last_60s": sum(w for w, _ in all_waits),
+                "data_wait_reports": sum(n for _, n in all_waits),
+                "rejects": tel.rejects_total,
+                "rejects_unlisted": tel.rejects_unlisted,
+                "mixture_history": s["mixture_history"],
+                "history": tel.history_view(),
             }

@@ -3,7 +3,9 @@
 No container engine or Kubernetes cluster is needed: these tests parse deploy/*.yaml,
 docker-compose.yml and deploy/Dockerfile, and pin what must stay consistent across them:
 one image, one serve command, one config path, the ports, the worker groups, the Ray and
-torch versions of .ci/constraints.txt, and the API token coming from a secret.
+torch versions of .ci/constraints.txt, the API token coming from a secret, and the Ray
+cluster's auth token reaching every pod and every compose service from one Secret or the
+caller's environment.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ MANIFESTS = [
 ]
 DATA_GROUP, GPU_GROUP = "data-cpu", "trainer-gpu"
 GPU = "nvidia.com/gpu"
+# The Secret holding the Ray cluster's token. KubeRay's authOptions.secretName requires the
+# key `auth_token`.
+RAY_AUTH_SECRET = {"name": "tokenmill-ray-auth", "key": "auth_token"}
+RAY_TOKEN_AUTH_MIN = (2, 52)  # the first Ray with token authentication
 
 
 def _load(rel: str) -> list[dict]:
@@ -91,6 +97,22 @@ def _containers(group: dict) -> list[dict]:
     return group["template"]["spec"]["containers"]
 
 
+def _pod_templates(cluster_spec: dict, rayjob: dict) -> dict[str, dict]:
+    """Every pod template of both KubeRay manifests: each node group's, and the RayJob's
+    submitter if it has one."""
+    templates = {}
+    for where, spec in [("raycluster", cluster_spec), ("rayjob", rayjob["spec"]["rayClusterSpec"])]:
+        for name, group in _groups(spec).items():
+            templates[f"{where}/{name}"] = group["template"]
+    if "submitterPodTemplate" in rayjob["spec"]:
+        templates["rayjob/submitter"] = rayjob["spec"]["submitterPodTemplate"]
+    return templates
+
+
+def _env(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
 def _resources(group: dict) -> dict:
     """The Ray container's requests and limits merged (limits win)."""
     res = _containers(group)[0].get("resources", {})
@@ -138,6 +160,8 @@ def test_one_image_everywhere(cluster_spec, rayjob, compose):
         for name, group in _groups(spec).items():
             for c in _containers(group):
                 images[f"{where}/{name}/{c['name']}"] = c.get("image")
+    for c in rayjob["spec"].get("submitterPodTemplate", {}).get("spec", {}).get("containers", []):
+        images[f"rayjob/submitter/{c['name']}"] = c.get("image")
     for name, svc in compose.items():
         images[f"compose/{name}"] = svc.get("image")
     assert len(images) >= 10  # 3 groups x 2 manifests + 4 compose services
@@ -184,7 +208,8 @@ def test_rayjob_entrypoint_and_lifecycle(rayjob):
     assert spec["shutdownAfterJobFinishes"] is True
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
     assert runtime_env["env_vars"]["RAYON_NUM_THREADS"] == "1"
-    assert "TOKENMILL_API_TOKEN" not in spec["runtimeEnvYAML"], "no secrets in the runtime env"
+    for secret in ("TOKENMILL_API_TOKEN", "RAY_AUTH_TOKEN"):
+        assert secret not in spec["runtimeEnvYAML"], "no secrets in the runtime env"
 
 
 def test_config_path_is_the_same_everywhere(rayjob, compose, dockerfile):
@@ -287,3 +312,59 @@ def test_api_token_comes_from_the_secret(cluster_spec):
         e["name"]: e.get("value") for e in _containers(cluster_spec["headGroupSpec"])[0]["env"]
     }
     assert head_env["TOKENMILL_HOST"] == "0.0.0.0", "the API must listen beyond loopback"
+
+
+def test_kuberay_token_auth_names_our_secret(cluster_spec):
+    # KubeRay (>= 1.6.0) then injects the token into the containers it adds itself (wait-gcs-ready,
+    # the RayJob submitter) and presents it on its own job API calls, from the same Secret.
+    assert cluster_spec["authOptions"] == {"mode": "token", "secretName": RAY_AUTH_SECRET["name"]}
+    ray = tuple(int(x) for x in cluster_spec["rayVersion"].split(".")[:2])
+    assert ray >= RAY_TOKEN_AUTH_MIN, f"Ray {cluster_spec['rayVersion']} has no token auth"
+
+
+def test_ray_token_reaches_every_pod(cluster_spec, rayjob):
+    templates = _pod_templates(cluster_spec, rayjob)
+    assert "rayjob/submitter" in templates, "the submitter calls the job API: it needs the token"
+    assert len(templates) == 7  # 3 groups x 2 manifests + the submitter
+    for where, template in templates.items():
+        spec = template["spec"]
+        containers = spec["containers"] + spec.get("initContainers", [])
+        assert containers, where
+        for c in containers:
+            env = _env(c)
+            at = f"{where}/{c['name']}"
+            assert env.get("RAY_AUTH_MODE", {}).get("value") == "token", f"{at}: RAY_AUTH_MODE"
+            token = env.get("RAY_AUTH_TOKEN")
+            assert token is not None, f"{at}: no RAY_AUTH_TOKEN"
+            assert "value" not in token, f"{at}: the Ray token must not be written in the manifest"
+            assert token["valueFrom"]["secretKeyRef"] == RAY_AUTH_SECRET, at
+
+
+def test_compose_ray_token(compose):
+    ray_services = {name for name, svc in compose.items() if "ray start" in _command(svc)}
+    assert ray_services == {"ray-head", "ray-worker", "tokenmill", "trainer"}
+    for name in ray_services:
+        env = compose[name].get("environment") or {}
+        assert isinstance(env, dict), f"{name}: environment as a mapping"
+        assert env.get("RAY_AUTH_MODE") == "token", name
+        # Required from the caller's environment, never written in the file.
+        assert re.fullmatch(r"\$\{RAY_AUTH_TOKEN:\?[^}]*\}", env.get("RAY_AUTH_TOKEN", "")), name
+
+
+def test_no_token_is_written_anywhere():
+    for rel in MANIFESTS:
+        text = (ROOT / rel).read_text()
+        # Something shaped like `openssl rand -hex 32` output, or a UUID-hex Ray token.
+        assert not re.search(r"\b[0-9a-fA-F]{32,}\b", text), f"{rel}: a literal token?"
+        for doc in _load(rel):
+            assert doc.get("kind") != "Secret", f"{rel}: create Secrets with kubectl, not here"
+
+
+def test_docs_create_the_secret_the_manifests_read():
+    create = (
+        f"kubectl create secret generic {RAY_AUTH_SECRET['name']} "
+        f"--from-literal={RAY_AUTH_SECRET['key']}="
+    )
+    for rel in ("deploy/raycluster.yaml", "deploy/rayjob.yaml", "deploy/README.md"):
+        assert create in (ROOT / rel).read_text(), f"{rel} does not say how to create the Secret"
+    assert "export RAY_AUTH_TOKEN=" in (ROOT / "docker-compose.yml").read_text()

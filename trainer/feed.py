@@ -6,23 +6,37 @@
         feed.report_wait(seconds)
     state = feed.state_dict()     # store in the checkpoint; Feed.connect(..., state=state) resumes
 
+The first rank to connect declares the world size; the service holds every step until all
+ranks of that world have taken it, so ranks may connect in any order, minutes apart, and pull
+several micro-steps ahead of one another (gradient accumulation). While the step it asks for
+waits on other ranks or on a pause, a rank waits as long as the service is alive; it raises
+`FeedError` when the service is gone or stopped (within seconds), failed, or does not produce
+the step within `timeout_s` although nothing holds it back.
+
 A batch arrives as an Arrow record batch in Ray's shared-memory object store; the ids are
-read in place and copied once, into int64 torch tensors. If the service dies, the next call
-raises within seconds; a live but stuck service raises after `timeout_s`. Nothing hangs.
+read in place and copied once, into int64 torch tensors.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
 
-NAMESPACE = "tokenmill"
-COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids")
+from service.protocol import (
+    CONSUMER_GROUP,
+    CONTROL_GROUP,
+    META_GLOBAL_STEP,
+    NAMESPACE,
+    POLL_S,
+    SERVICE_NAME,
+    TENSOR_COLUMNS,
+)
 
 
 class FeedError(RuntimeError):
-    """The service is gone, failed, or does not answer."""
+    """The service is gone, stopped, failed, or does not answer."""
 
 
 def to_torch(batch) -> dict:
@@ -31,13 +45,13 @@ def to_torch(batch) -> dict:
     n = batch.num_rows
     meta = batch.schema.metadata or {}
     out = {}
-    for name in COLUMNS:
+    for name in TENSOR_COLUMNS:
         col = batch.column(name)
         L = col.type.list_size
         flat = col.values.to_numpy(zero_copy_only=True)[col.offset * L : (col.offset + n) * L]
         out[name] = torch.from_numpy(flat.reshape(n, L).astype(np.int64))  # the one copy
     out["seq_lens"] = batch.column("seq_lens").to_pylist()
-    out["global_step"] = int(meta.get(b"global_step", b"-1"))
+    out["global_step"] = int(meta.get(META_GLOBAL_STEP, b"-1"))
     return out
 
 
@@ -48,14 +62,17 @@ class Feed:
         self.timeout_s = timeout_s
 
     @classmethod
-    def connect(cls, service: str = "tokenmill", rank: int = 0, world_size: int = 1,
+    def connect(cls, service: str = SERVICE_NAME, rank: int = 0, world_size: int = 1,
                 address: str | None = None, state: dict | None = None,
                 timeout_s: float = 60.0) -> Feed:  # fmt: skip
+        """Join the service's cluster (`address`, else RAY_ADDRESS, else the one Ray cluster
+        running on this machine) and say hello as rank `rank` of `world_size`."""
         import ray
 
+        from service.cluster import client_address, connect
+
         if not ray.is_initialized():
-            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False,
-                     configure_logging=False)  # fmt: skip
+            connect(client_address(address))
         deadline = time.time() + timeout_s
         while True:
             try:
@@ -68,20 +85,20 @@ class Feed:
                     ) from None
                 time.sleep(0.5)
         feed = cls(server, rank, world_size, 0, timeout_s)
-        if state is not None:
-            feed.step = feed._call("seek", state)
-        else:
-            feed.step = feed._call("first_step")
+        welcome = feed._call("hello", rank, world_size, state, group=CONSUMER_GROUP)
+        feed.step = welcome.step
         return feed
 
-    def _call(self, method: str, *args):
+    def _call(self, method: str, *args, group: str = CONTROL_GROUP, timeout_s: float | None = None):
         import ray
 
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        fn = getattr(self.server, method).options(concurrency_group=group)
         try:
-            return ray.get(getattr(self.server, method).remote(*args), timeout=self.timeout_s + 5)
+            return ray.get(fn.remote(*args), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise FeedError(
-                f"the tokenmill service did not answer {method} within {self.timeout_s}s"
+                f"the tokenmill service did not answer {method} within {timeout_s:.0f}s"
             ) from None
         except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
             raise FeedError(f"the tokenmill service is gone: {type(e).__name__}") from None
@@ -95,18 +112,41 @@ class Feed:
     def __next__(self) -> dict:
         import ray
 
-        wrapped = self._call("get", self.rank, self.world_size, self.step, self.timeout_s)
-        if wrapped is None:
-            raise StopIteration
+        producing_since, told = None, time.time()
+        while True:
+            reply = self._call("get", self.rank, self.world_size, self.step, POLL_S,
+                               group=CONSUMER_GROUP, timeout_s=self.timeout_s + POLL_S)  # fmt: skip
+            if reply.ready:
+                break
+            if reply.status == "end":
+                raise StopIteration
+            if reply.status == "stopped":
+                raise FeedError(
+                    f"the tokenmill service was stopped before step {self.step}; "
+                    "resume from feed.state_dict()"
+                )
+            # `wait`: held back by other ranks or a pause (wait on), or still producing.
+            now = time.time()
+            if reply.reason == "producing":
+                producing_since = producing_since or now
+                if now - producing_since > self.timeout_s:
+                    raise FeedError(f"step {self.step} was not produced within {self.timeout_s}s")
+            else:
+                producing_since = None
+            if now - told > 60:
+                told = now
+                print(f"tokenmill: rank {self.rank} waits for step {self.step}: {reply.reason}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         try:
-            batch = ray.get(wrapped[0], timeout=self.timeout_s)
+            batch = ray.get(reply.refs[0], timeout=self.timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             raise FeedError(f"cannot fetch step {self.step}: {type(e).__name__}") from None
         self.step += 1
         return to_torch(batch)
 
     def report_wait(self, seconds: float) -> None:
-        self.server.report_wait.remote(self.rank, float(seconds))  # fire and forget
+        fn = self.server.report_wait.options(concurrency_group=CONTROL_GROUP)
+        fn.remote(self.rank, float(seconds))  # fire and forget
 
     def state_dict(self) -> dict:
         """The feed state after the last step this rank consumed (same on every rank)."""

@@ -1,0 +1,97 @@
+"""The producer: runs the deterministic Feed on a thread, one global step at a time, into the
+step window, whenever the window has room and nobody paused it. Ray-free.
+
+It shares one condition variable with the server, so a rank waiting for a step wakes the
+moment that step lands, and the producer wakes the moment a rank frees room. The expensive
+`feed.next_step()` runs outside the lock: the API and the ranks are never blocked behind
+packing. An exception is never swallowed: it is kept and raised to every consumer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from pipeline.feed import Feed
+from service.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
+from service.window import StepWindow
+
+
+class Producer:
+    def __init__(
+        self,
+        feed: Feed,
+        window: StepWindow,
+        cond: threading.Condition,
+        keep_states: int = 10_000,
+        on_step: Callable[[], None] | None = None,
+    ):
+        self.feed = feed
+        self.window = window
+        self.cond = cond
+        self.keep_states = keep_states
+        self.on_step = on_step or (lambda: None)
+        self.states: OrderedDict[int, dict] = OrderedDict({feed.step: feed.state()})
+        self.state = STARTING
+        self.error: str | None = None
+        self.paused = False
+        self.busy = False  # inside feed.next_step(): that step's weights are fixed
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="tokenmill-producer", daemon=True)
+
+    def start(self) -> Producer:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop producing and stop the feed's reads; safe to call more than once."""
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s)
+        self.feed.close()
+
+    def set_paused(self, paused: bool) -> None:
+        with self.cond:
+            self.paused = paused
+            self.cond.notify_all()
+
+    @property
+    def ended(self) -> bool:
+        return self.state in (FINISHED, FAILED)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.cond:
+                    self.state = PAUSED if self.paused else RUNNING
+                    while not self._stop and (self.paused or not self.window.room()):
+                        self.state = PAUSED if self.paused else RUNNING
+                        self.cond.wait(timeout=1.0)
+                    if self._stop:
+                        return
+                    self.state = RUNNING
+                    self.busy = True
+                batch = self.feed.next_step()
+                with self.cond:
+                    self.busy = False
+                    if self._stop:
+                        return
+                    if batch is None:
+                        self.state = FINISHED
+                        self.cond.notify_all()
+                        return
+                    self.window.add(self.feed.step - 1, batch)
+                    self.states[self.feed.step] = self.feed.state()
+                    while len(self.states) > self.keep_states:
+                        self.states.popitem(last=False)
+                    self.on_step()
+                    self.cond.notify_all()
+        except Exception as e:  # carried to every consumer, never swallowed
+            with self.cond:
+                self.busy = False
+                self.state = FAILED
+                self.error = f"{type(e).__name__}: {e}"
+                self.cond.notify_all()

@@ -1,0 +1,88 @@
+"""The contract between the tokenmill service and its trainer ranks. No dependencies.
+
+Both sides import this module (`service/` and `trainer/`), so the actor's name, its namespace,
+the column names, the ignore label and the shape of every call exist once.
+
+A rank talks to the batch-server actor in two concurrency groups: `consumers` for its long
+polls (`hello`, `get`), `control` for everything the API and the CLI ask. Each group has its
+own threads, so 64 ranks blocked in `get` never starve `/v1/status`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SERVICE_NAME = "tokenmill"
+NAMESPACE = "tokenmill"
+
+# Batch schema (one Arrow record batch per rank per step; see pipeline/schema.py).
+TENSOR_COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids")
+LIST_COLUMNS = ("seq_lens", "stream", "doc_id", "doc_offset")
+COLUMNS = TENSOR_COLUMNS + LIST_COLUMNS
+IGNORE_LABEL = -100
+META_GLOBAL_STEP = b"global_step"
+META_RANK = b"rank"
+META_WORLD_SIZE = b"world_size"
+META_SEQ_LEN = b"seq_len"
+META_CONFIG_HASH = b"config_hash"
+
+# Actor concurrency groups and their sizes (threads). A consumer call waits at most
+# POLL_S on the server before it answers `wait`, so a group of this size serves this many
+# ranks at once, and a rank that stopped asking is noticed within seconds.
+CONSUMER_GROUP = "consumers"
+CONTROL_GROUP = "control"
+CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16}
+POLL_S = 2.0
+
+# Server states, as `status()["state"]` and `/v1/status` report them.
+STARTING, RUNNING, PAUSED, FINISHED, FAILED, STOPPING = (
+    "starting", "running", "paused", "finished", "failed", "stopping",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A rank joins: the first `Hello` declares the world size (`world_size` ranks)."""
+
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The answer to `Hello`: the step this rank pulls first."""
+
+    step: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    rank: int
+    world_size: int
+    step: int
+    wait_s: float = POLL_S
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """`ready`: `refs` holds one ObjectRef to the rank's Arrow slice (wrapped in a list, so
+    Ray hands the caller the reference, not the value). `end`: the data has ended. `wait`:
+    not produced yet; `reason` says why (`producing`, `paused`, or the ranks it waits for)."""
+
+    status: str
+    refs: list[Any] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def ready(self) -> bool:
+        return self.status == "ready"
+
+
+class StepGone(LookupError):
+    """The requested step is no longer held by the server."""
+
+
+class WorldMismatch(ValueError):
+    """A rank asked with a world size other than the one the service serves."""

@@ -1,0 +1,165 @@
+"""The step window: which produced global steps the server holds, and when it may make more.
+
+Ray-free and clock-injected, so its rules are unit-tested directly (tests/test_window.py).
+
+World. The first rank that says hello declares the world size W. Every rank of that world is
+expected, including the ones that have not connected yet: they count as standing at the
+window's first step from the moment the world was declared. A rank that asks with another W
+gets `WorldMismatch`, unless it resumes from a state (`declare(..., resuming=True)`), which
+starts the world again at that state's step.
+
+Retention. A step is held until every live rank of the world has taken it, whatever the order
+and timing of their requests: a rank that connects minutes late, or one that pulls K micro-steps
+before the first collective, finds every step it has not taken yet. A rank not heard from for
+`rank_timeout_s` is lost (`None`: never): it stops holding steps back, and if it returns for a
+step that was released meanwhile it gets a `StepGone` that names the timeout. A lost rank that
+returns for a step still held simply carries on.
+
+Flow control. The producer may run `prefetch` steps ahead of the slowest live rank and no
+further, so at most `prefetch` global steps (prefetch x world x micro-batch rows) are held.
+A straggler slows the others by at most that window, never stalls them outright before it,
+and never makes the server buffer without bound (unlike `streaming_split`, whose consumers
+must advance in lockstep: ray-project/ray#41973, #39595).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from service.protocol import StepGone, WorldMismatch
+
+
+@dataclass
+class RankState:
+    next: int  # the first step this rank has not taken
+    seen: float  # clock of its last request (or of the world's declaration)
+    connected: bool = False
+
+
+class StepWindow:
+    def __init__(
+        self,
+        start: int,
+        prefetch: int,
+        rank_timeout_s: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.start = start  # the first step this window produces
+        self.produced = start  # the next step to be produced
+        self.prefetch = max(1, prefetch)
+        self.rank_timeout_s = rank_timeout_s
+        self.clock = clock
+        self.steps: dict[int, Any] = {}  # step -> payload, ascending
+        self.world: int | None = None
+        self.ranks: dict[int, RankState] = {}
+
+    # -- world --------------------------------------------------------------------------------
+
+    def declare(self, rank: int, world_size: int, resuming: bool = False) -> None:
+        """A rank joins. The first declares the world; a resuming rank may change it."""
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        if self.world is not None and world_size != self.world:
+            if not resuming:
+                raise WorldMismatch(
+                    f"rank {rank} asked with world size {world_size}, but this service serves a "
+                    f"world of {self.world} ranks (declared by the first rank to connect); "
+                    "to change the world size, resume every rank from a saved state"
+                )
+            self.world = None
+        if self.world is None:
+            now = self.clock()
+            first = min(self.steps, default=self.produced)
+            self.world = world_size
+            self.ranks = {r: RankState(first, now) for r in range(world_size)}
+        self.ranks[rank].connected = True
+
+    # -- producer side ------------------------------------------------------------------------
+
+    def lost(self, rank: int) -> bool:
+        r = self.ranks[rank]
+        timeout = self.rank_timeout_s
+        return timeout is not None and self.clock() - r.seen > timeout
+
+    def floor(self) -> int:
+        """The lowest step still needed: the slowest live rank's next step. Before any rank
+        connects, the window's first step; with every rank lost, the furthest rank's."""
+        if self.world is None:
+            return self.start
+        live = [r.next for k, r in self.ranks.items() if not self.lost(k)]
+        if live:
+            return min(live)
+        return max(r.next for r in self.ranks.values())
+
+    def room(self) -> bool:
+        """May the producer make step `produced` now?"""
+        return self.produced - self.floor() < self.prefetch
+
+    def add(self, step: int, payload: Any) -> None:
+        assert step == self.produced, (step, self.produced)
+        self.steps[step] = payload
+        self.produced += 1
+        self.evict()
+
+    def evict(self) -> list[int]:
+        floor = self.floor()
+        gone = [s for s in self.steps if s < floor]
+        for s in gone:
+            del self.steps[s]
+        return gone
+
+    # -- consumer side ------------------------------------------------------------------------
+
+    def touch(self, rank: int) -> None:
+        self.ranks[rank].seen = self.clock()
+
+    def take(self, rank: int, world_size: int, step: int) -> Any | None:
+        """Rank `rank`'s request for `step`: the payload, or None if not produced yet.
+
+        Raises StepGone for a step released already, WorldMismatch for another world."""
+        if self.world is None:
+            self.declare(rank, world_size)
+        elif world_size != self.world:
+            self.declare(rank, world_size)  # raises WorldMismatch
+        r = self.ranks[rank]
+        was_lost = self.lost(rank)
+        away = self.clock() - r.seen
+        r.seen = self.clock()
+        r.connected = True
+        if step in self.steps:
+            r.next = max(r.next, step + 1)
+            payload = self.steps[step]
+            self.evict()
+            return payload
+        if step >= self.produced:
+            return None
+        held = f"{min(self.steps)}..{self.produced - 1}" if self.steps else "none"
+        why = (
+            f"rank {rank} was away {away:.0f}s, longer than service.rank_timeout_s="
+            f"{self.rank_timeout_s:g}, so the other ranks went on without it"
+            if was_lost
+            else f"every rank of the world has taken it, or it precedes step {self.start}, "
+            "where this service started"
+        )
+        raise StepGone(
+            f"step {step} is no longer held ({why}); the server holds steps {held}. "
+            "Resume every rank from a saved state (Feed.connect(state=...)) instead"
+        )
+
+    # -- telemetry ----------------------------------------------------------------------------
+
+    def rank_view(self) -> dict[int, dict]:
+        now = self.clock()
+        return {
+            k: {
+                "next_step": r.next,
+                "lag": max(0, self.produced - r.next),
+                "lost": self.lost(k),
+                "connected": r.connected,
+                "seen_s_ago": now - r.seen if r.connected else None,
+            }
+            for k, r in sorted(self.ranks.items())
+        }

@@ -1,0 +1,159 @@
+"""The Ray-free step window: world, retention and flow control, on a fake clock."""
+
+import pytest
+
+from service.protocol import StepGone, WorldMismatch
+from service.window import StepWindow
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def fill(w: StepWindow) -> list[int]:
+    """Produce while the window has room; the steps produced."""
+    made = []
+    while w.room():
+        made.append(w.produced)
+        w.add(w.produced, f"batch{w.produced}")
+    return made
+
+
+def make(prefetch=3, timeout=600.0, start=0):
+    clock = Clock()
+    return StepWindow(start, prefetch, timeout, clock=clock), clock
+
+
+def test_before_anyone_connects_the_window_fills_to_prefetch():
+    w, _ = make(prefetch=3)
+    assert fill(w) == [0, 1, 2]
+    assert not w.room() and w.world is None
+
+
+def test_a_late_rank_finds_every_step_the_early_one_took():
+    w, clock = make(prefetch=3)
+    fill(w)
+    w.declare(0, 2)
+    for s in range(3):
+        assert w.take(0, 2, s) == f"batch{s}"
+    assert not w.room(), "rank 1 has not taken step 0: the producer must wait"
+    clock.t += 300  # five minutes late, inside the timeout
+    for s in range(3):
+        assert w.take(1, 2, s) == f"batch{s}"
+    assert fill(w) == [3, 4, 5]
+
+
+def test_out_of_order_connects_and_accumulation_beyond_prefetch():
+    w, _ = make(prefetch=2)
+    fill(w)
+    assert w.take(1, 2, 0) == "batch0"  # rank 1 declares the world
+    assert w.take(1, 2, 1) == "batch1"
+    assert w.take(1, 2, 2) is None and not w.room()  # accumulating: waits for rank 0
+    assert w.take(0, 2, 0) == "batch0"
+    assert fill(w) == [2]
+    assert w.take(1, 2, 2) == "batch2"
+    assert w.take(0, 2, 1) == "batch1"
+    assert fill(w) == [3]
+    assert sorted(w.steps) == [2, 3], "held: what some rank has not taken, nothing more"
+
+
+def test_memory_stays_bounded_by_prefetch_with_a_straggler():
+    w, _ = make(prefetch=4)
+    w.declare(0, 2)
+    w.declare(1, 2)
+    fast, slow, held = 0, 0, []
+    for tick in range(200):
+        fill(w)
+        held.append(len(w.steps))
+        while w.take(0, 2, fast) is not None:
+            fast += 1
+        if tick % 10 == 0 and w.take(1, 2, slow) is not None:
+            slow += 1
+    assert max(held) <= 4
+    assert fast - slow <= 4 and slow == 20
+
+
+def test_a_rank_away_longer_than_the_timeout_is_lost_then_gets_a_clear_step_gone():
+    w, clock = make(prefetch=2, timeout=600)
+    w.declare(0, 2)
+    fill(w)
+    clock.t += 601  # rank 1 never came
+    assert w.lost(1)
+    assert w.rank_view()[1]["lost"] is True
+    for s in range(6):
+        assert w.take(0, 2, s) == f"batch{s}"
+        fill(w)
+    with pytest.raises(StepGone, match="rank_timeout_s=600"):
+        w.take(1, 2, 0)
+
+
+def test_a_lost_rank_that_returns_for_a_held_step_carries_on():
+    w, clock = make(prefetch=3, timeout=10)
+    w.declare(0, 2)
+    fill(w)
+    w.take(1, 2, 0)
+    clock.t += 11
+    assert w.rank_view()[1]["lost"]
+    w.touch(0)
+    assert w.take(1, 2, 1) == "batch1"
+    assert not w.rank_view()[1]["lost"]
+
+
+def test_no_timeout_means_a_step_waits_for_every_rank_forever():
+    w, clock = make(prefetch=2, timeout=None)
+    w.declare(0, 2)
+    fill(w)
+    w.take(0, 2, 0)
+    w.take(0, 2, 1)
+    clock.t += 1e9
+    assert not w.room() and not w.rank_view()[1]["lost"]
+    assert w.take(1, 2, 0) == "batch0"
+
+
+def test_every_rank_lost_does_not_run_away():
+    w, clock = make(prefetch=2, timeout=5)
+    w.declare(0, 1)
+    fill(w)
+    w.take(0, 1, 0)
+    clock.t += 6
+    fill(w)
+    assert w.produced - max(r.next for r in w.ranks.values()) <= 2
+
+
+def test_a_different_world_size_is_refused_unless_resuming():
+    w, _ = make()
+    w.declare(0, 2)
+    with pytest.raises(WorldMismatch, match="world of 2 ranks"):
+        w.declare(0, 4)
+    with pytest.raises(WorldMismatch):
+        w.take(3, 4, 0)
+    w.declare(0, 4, resuming=True)
+    assert w.world == 4 and set(w.ranks) == {0, 1, 2, 3}
+
+
+def test_rank_outside_the_world_is_refused():
+    w, _ = make()
+    with pytest.raises(ValueError, match="outside world size"):
+        w.declare(2, 2)
+
+
+def test_a_window_started_from_a_state_begins_at_its_step():
+    w, _ = make(start=40)
+    assert fill(w) == [40, 41, 42]
+    with pytest.raises(StepGone, match="precedes step 40"):
+        w.take(0, 1, 39)
+    assert w.take(0, 1, 40) == "batch40"
+
+
+def test_steps_taken_by_every_rank_are_released():
+    w, _ = make(prefetch=3)
+    fill(w)
+    for r in (0, 1):
+        w.take(r, 2, 0)
+    assert 0 not in w.steps
+    with pytest.raises(StepGone, match="every rank of the world has taken it"):
+        w.take(0, 2, 0)
