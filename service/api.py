@@ -3,6 +3,16 @@
 Mutations need `Authorization: Bearer <token>`, the token coming from $TOKENMILL_API_TOKEN or
 the file named by $TOKENMILL_API_TOKEN_FILE, never from the config or the logs. With no token
 configured, mutations are refused. Every invalid input gets a 4xx that says what is wrong.
+
+`PUT /v1/mixture` replaces the whole mixture: its `weights` must name every stream of the
+config, each with a finite weight >= 0 (not all zero; 0 turns a stream off). A body that
+leaves streams out is rejected with a 400 naming the missing ones rather than merged with the
+current weights, so that a typo or a stale client cannot silently change the other streams'
+shares; an unknown stream is a 400 too. The new weights take effect at the returned
+`effective_step`, never retroactively.
+
+`/docs` (Swagger UI) is served from assets bundled with the service (`swagger-ui-bundle`),
+and `/` is a self-contained live page: both work without internet access.
 """
 
 from __future__ import annotations
@@ -15,10 +25,21 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 
 PAGE = Path(__file__).with_name("page.html")
+SWAGGER_STATIC = "/static/swagger"  # where the bundled Swagger UI assets are mounted
+DOCS_OPENAPI = "/docs/openapi.json"  # the schema as OpenAPI 3.0, for the bundled Swagger UI
+
+PUT_MIXTURE_DOC = """Replace the mixture weights, from the returned `effective_step` on.
+
+`weights` must name **every** stream of the config (see `GET /v1/status`), each with a finite
+weight >= 0, not all zero; weights are normalized, and 0 turns a stream off. A subset is
+rejected with a 400 that names the missing streams (it is not merged with the current
+weights); an unknown stream is a 400 too. Needs `Authorization: Bearer <token>`."""
 
 
 class Backend:
@@ -60,8 +81,18 @@ def _unwrap(e: Exception) -> Exception:
     return cause if isinstance(cause, Exception) else e
 
 
+def _swagger_assets() -> Path:
+    from swagger_ui_bundle import swagger_ui_path
+
+    return Path(swagger_ui_path)
+
+
 def create_app(backend: Backend) -> FastAPI:
-    app = FastAPI(title="tokenmill", version="0.1.0", description=__doc__)
+    # The default /docs and /redoc load their assets from a CDN; ours are served locally.
+    app = FastAPI(
+        title="tokenmill", version="0.1.0", description=__doc__, docs_url=None, redoc_url=None
+    )
+    app.mount(SWAGGER_STATIC, StaticFiles(directory=_swagger_assets()), name="swagger-static")
 
     def require_token(authorization: str | None = Header(default=None)) -> None:
         token = api_token()
@@ -103,11 +134,33 @@ def create_app(backend: Backend) -> FastAPI:
     def get_mixture() -> dict:
         return backend.call("mixture")
 
-    @app.put("/v1/mixture", dependencies=[Depends(require_token)])
+    @app.put(
+        "/v1/mixture",
+        dependencies=[Depends(require_token)],
+        summary="Replace the mixture weights (all streams)",
+        description=PUT_MIXTURE_DOC,
+    )
     def put_mixture(update: MixtureUpdate) -> dict:
         for name, v in update.weights.items():
             if not math.isfinite(v) or v < 0:
                 raise HTTPException(400, f"weight of {name!r} must be finite and >= 0, got {v}")
+        streams = list(backend.call("status")["streams"])
+        listed = ", ".join(repr(n) for n in streams)
+        unknown = [n for n in update.weights if n not in streams]
+        if unknown:
+            names = ", ".join(repr(n) for n in unknown)
+            raise HTTPException(
+                400,
+                f"unknown stream{'s' if len(unknown) > 1 else ''} {names}; streams are {listed}",
+            )
+        missing = [n for n in streams if n not in update.weights]
+        if missing:
+            names = ", ".join(repr(n) for n in missing)
+            raise HTTPException(
+                400,
+                f"weights must name every stream; missing {names} (a PUT replaces the whole "
+                f"mixture, it is not merged: give 0 to turn a stream off; streams are {listed})",
+            )
         try:
             step = backend.call("set_weights", dict(update.weights))
         except Exception as e:
@@ -139,7 +192,75 @@ def create_app(backend: Backend) -> FastAPI:
     def page() -> str:
         return PAGE.read_text()
 
+    # The bundled Swagger UI (4.x) renders OpenAPI 3.0 only; FastAPI writes 3.1. /docs reads
+    # the same schema written as 3.0 (only how null is spelled differs); /openapi.json stays 3.1.
+    @app.get(DOCS_OPENAPI, include_in_schema=False)
+    def docs_openapi() -> dict:
+        return openapi_30(app.openapi())
+
+    @app.get("/docs", include_in_schema=False)
+    def docs(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "").rstrip("/")
+        return get_swagger_ui_html(
+            openapi_url=f"{root}{DOCS_OPENAPI}",
+            title="tokenmill - API",
+            swagger_js_url=f"{root}{SWAGGER_STATIC}/swagger-ui-bundle.js",
+            swagger_css_url=f"{root}{SWAGGER_STATIC}/swagger-ui.css",
+            swagger_favicon_url=f"{root}{SWAGGER_STATIC}/favicon-32x32.png",
+        )
+
     return app
+
+
+def openapi_30(schema: dict) -> dict:
+    """`schema` (OpenAPI 3.1, as FastAPI writes it) as OpenAPI 3.0, for Swagger UI 4: JSON
+    Schema's null type becomes `nullable`, a list of `examples` one `example`, `const` an enum."""
+    maps = {"paths", "components", "schemas", "properties", "patternProperties", "$defs",
+            "responses", "content", "headers", "examples", "securitySchemes", "callbacks"}  # fmt: skip
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, list):
+            return [conv(v) for v in x]
+        if not isinstance(x, dict):
+            return x
+        out = {
+            k: (
+                {n: conv(v2) for n, v2 in v.items()}
+                if k in maps and isinstance(v, dict)
+                else conv(v)
+            )
+            for k, v in x.items()
+        }
+        for key in ("anyOf", "oneOf"):
+            alts = out.get(key)
+            if isinstance(alts, list) and {"type": "null"} in alts:
+                rest = [a for a in alts if a != {"type": "null"}]
+                del out[key]
+                out["nullable"] = True
+                if len(rest) == 1 and isinstance(rest[0], dict) and "$ref" not in rest[0]:
+                    out = {**rest[0], **out}
+                elif rest:
+                    out[key] = rest
+        t = out.get("type")
+        if isinstance(t, list):
+            types = [v for v in t if v != "null"]
+            if len(types) < len(t):
+                out["nullable"] = True
+            del out["type"]
+            if len(types) == 1:
+                out["type"] = types[0]
+            elif types:
+                out["anyOf"] = [{"type": v} for v in types]
+        if "const" in out:
+            out["enum"] = [out.pop("const")]
+        if isinstance(out.get("examples"), list):  # a schema's; an operation's are a map
+            examples = out.pop("examples")
+            if examples:
+                out.setdefault("example", examples[0])
+        return out
+
+    converted = conv({k: v for k, v in schema.items() if k != "openapi"})
+    return {"openapi": "3.0.3", **converted}
 
 
 def prometheus_text(m: dict, st: dict) -> str:
@@ -189,4 +310,44 @@ def prometheus_text(m: dict, st: dict) -> str:
     )
     for rank, depth in m["queue_depth"].items():
         q.labels(rank=rank).set(depth)
+    per_rank = {
+        "rank_lag_steps": ("lag", "Produced steps the rank is behind the producer"),
+        "rank_data_wait_seconds_last_60s": (
+            "wait_s_last_60s",
+            "Data wait reported by the rank, last 60 s",
+        ),
+        "rank_lost": ("lost", "1 when the rank has stopped pulling (lost), else 0"),
+    }
+    ranks = m.get("ranks")
+    ranks = ranks if isinstance(ranks, dict) else {}
+    for metric, (key, doc) in per_rank.items():
+        g = Gauge(f"tokenmill_{metric}", doc, ["rank"], registry=reg)
+        for rank, r in ranks.items():
+            v = _number(r.get(key) if isinstance(r, dict) else None)
+            if v is not None:
+                g.labels(rank=str(rank)).set(v)
+    reg.register(_Rejects(_number(m.get("rejects", 0)) or 0.0))
     return generate_latest(reg).decode()
+
+
+def _number(v: Any) -> float | None:
+    """A metric value as a float (bools as 0/1); None for anything else."""
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float):
+        return float(v)
+    return None
+
+
+class _Rejects:
+    """`tokenmill_rejects_total`, a counter of the skipped (bad) records."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        yield CounterMetricFamily(
+            "tokenmill_rejects", "Bad records skipped, all streams", value=self.value
+        )

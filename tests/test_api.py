@@ -1,5 +1,6 @@
 """The control API (SPEC §3.3) over a real batch server, through FastAPI's TestClient."""
 
+import re
 import time
 
 import pytest
@@ -26,7 +27,7 @@ def server(ray_cluster, tmp_path):
     while srv.status()["global_step"] < 3 and time.time() < deadline:
         time.sleep(0.2)
     yield srv
-    srv._generation += 1  # stop the producer thread
+    srv.close()  # stop the producer thread
 
 
 @pytest.fixture
@@ -36,6 +37,18 @@ def client(server, monkeypatch):
 
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def take(server, rank: int, world_size: int, step: int, timeout_s: float = 60.0):
+    """The ObjectRef of `rank`'s slice of `step` (long-polling), or None when the data ended."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        reply = server.get(rank, world_size, step, 1.0)
+        if reply.ready:
+            return reply.refs[0]
+        if reply.status in ("end", "stopped"):
+            return None
+    raise TimeoutError(f"step {step} was not served within {timeout_s}s")
 
 
 def test_read_routes(client):
@@ -50,6 +63,7 @@ def test_read_routes(client):
         "tokenmill_tokens_per_second" in text
         and 'tokenmill_stream_realized_share{stream="web"}' in text
         and 'tokenmill_tokenizer_backend_tokens{backend="tiktoken"}' in text
+        and "tokenmill_rejects_total" in text
     )
     mix = client.get("/v1/mixture").json()
     assert mix["weights"] == pytest.approx({"web": 0.6, "code": 0.4})
@@ -86,14 +100,13 @@ def test_put_mixture_takes_effect_at_the_stated_step(client, server):
     assert step >= 3
     hist = client.get("/v1/mixture").json()["history"]
     assert hist[-1] == {"step": step, "weights": {"web": 0.0, "code": 1.0}, "source": "api"}
-    # the steps from `step` on carry only the code stream
-    deadline = time.time() + 60
-    while server.status()["global_step"] <= step and time.time() < deadline:
-        server.get(0, 1, server.status()["global_step"] - 1)  # keep the producer moving
-        time.sleep(0.1)
+    # the steps from `step` on carry only the code stream (rank 0 of 1 takes every step up to
+    # it: a step is held, and the producer runs ahead, only as far as the ranks allow)
+    for s in range(server.first_step(), step + 1):
+        ref = take(server, 0, 1, s)
     import ray
 
-    batch = ray.get(server.get(0, 1, step)[0])
+    batch = ray.get(ref)
     assert set(s for row in batch.column("stream").to_pylist() for s in row) == {"code"}
 
 
@@ -101,6 +114,10 @@ def test_put_mixture_takes_effect_at_the_stated_step(client, server):
     ("content", "fragment"),
     [
         ('{"weights": {"nope": 1}}', "unknown stream 'nope'"),
+        ('{"weights": {"web": 1, "code": 1, "nope": 1}}', "unknown stream 'nope'"),
+        ('{"weights": {"web": 1}}', "missing 'code'"),
+        ('{"weights": {"code": 0.5}}', "missing 'web'"),
+        ('{"weights": {}}', "missing 'web', 'code'"),
         ('{"weights": {"web": -1}}', "finite and >= 0"),
         ('{"weights": {"web": 0, "code": 0}}', "not all be zero"),
         ('{"weights": {"web": NaN}}', "finite"),
@@ -139,7 +156,96 @@ def test_pause_and_resume(client, server):
 def test_far_behind_rank_gets_a_clear_error(server):
     # consume far ahead with rank 0 so that early steps are evicted
     for s in range(0, 12):
-        if server.get(0, 1, s, timeout_s=60) is None:
+        if take(server, 0, 1, s) is None:
             break
     with pytest.raises(StepGone, match="no longer held"):
         server.get(0, 1, 0)
+
+
+def test_a_subset_of_streams_is_rejected_not_merged(client):
+    before = client.get("/v1/mixture").json()
+    r = client.put("/v1/mixture", json={"weights": {"code": 1}}, headers=AUTH)
+    assert r.status_code == 400
+    detail = r.json()["detail"]
+    assert "missing 'web'" in detail and "'code'" not in detail.split("missing")[1].split("(")[0]
+    assert "not merged" in detail
+    assert client.get("/v1/mixture").json()["history"] == before["history"]  # nothing changed
+    # the decision is documented where clients read it
+    op = client.get("/openapi.json").json()["paths"]["/v1/mixture"]["put"]
+    assert "every" in op["description"] and "missing" in op["description"]
+
+
+class FakeBackend:
+    """Just enough of the batch server for the routes that do not need a real one."""
+
+    def __init__(self, metrics: dict | None = None):
+        self._metrics = metrics or {}
+
+    def status(self):
+        return {"state": "running", "streams": ["web", "code"], "world_size": 2, "global_step": 9}
+
+    def metrics(self):
+        return self._metrics
+
+
+def fake_metrics(**extra) -> dict:
+    share = {"target_share": 0.5, "realized_share": 0.5, "tokens": 1, "docs": 1, "skipped": 0,
+             "split": 0, "truncated": 0, "dropped": 0}  # fmt: skip
+    return {"tokens_per_s": 1.0, "batches_per_s": 1.0, "global_step": 9, "packing_efficiency": 0.9,
+            "data_wait_s_last_60s": 0.5, "streams": {"web": share, "code": share},
+            "queue_depth": {"0": 1, "1": 7}, **extra}  # fmt: skip
+
+
+def test_docs_work_offline():
+    client = TestClient(create_app(Backend(FakeBackend())))
+    r = client.get("/docs")
+    assert r.status_code == 200 and "swagger-ui" in r.text
+    assert "http://" not in r.text and "https://" not in r.text, (
+        "no CDN: /docs must work air-gapped"
+    )
+    assets = re.findall(r'(?:src|href)="([^"]+)"', r.text)
+    assert any(a.endswith(".js") for a in assets) and any(a.endswith(".css") for a in assets)
+    for url in assets:
+        a = client.get(url)
+        assert a.status_code == 200 and a.content, url
+    spec_url = re.search(r"url: '([^']+)'", r.text).group(1)
+    spec = client.get(spec_url).json()
+    assert spec["openapi"].startswith("3.0.")  # what the bundled Swagger UI renders
+    assert set(spec["paths"]) == set(client.get("/openapi.json").json()["paths"])
+    assert "anyOf" not in str(spec["paths"]["/v1/state"])  # nullable, not a null type
+    assert client.get("/redoc").status_code == 404  # its assets would come from a CDN
+
+
+def test_prometheus_per_rank_gauges_and_rejects():
+    ranks = {
+        "0": {"next_step": 8, "lag": 1, "wait_s_last_60s": 0.25, "waits": 3, "lost": False,
+              "seen_s_ago": 0.1, "connected": True},
+        "1": {"next_step": 2, "lag": 7, "wait_s_last_60s": 0.0, "waits": 0, "lost": True,
+              "seen_s_ago": 700.0, "connected": False},
+    }  # fmt: skip
+    m = fake_metrics(ranks=ranks, rejects=5, world_size=2)
+    text = TestClient(create_app(Backend(FakeBackend(m)))).get("/metrics").text
+    for line in (
+        'tokenmill_rank_lag_steps{rank="0"} 1.0',
+        'tokenmill_rank_lag_steps{rank="1"} 7.0',
+        'tokenmill_rank_data_wait_seconds_last_60s{rank="0"} 0.25',
+        'tokenmill_rank_lost{rank="0"} 0.0',
+        'tokenmill_rank_lost{rank="1"} 1.0',
+        "tokenmill_rejects_total 5.0",
+    ):
+        assert line in text.splitlines(), line
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},  # a server from before per-rank metrics
+        {"ranks": None, "rejects": None},
+        {"ranks": {"0": None, "1": {"lag": None, "lost": "yes"}, "2": {}}},
+        {"ranks": [1, 2]},
+    ],
+)
+def test_prometheus_tolerates_missing_or_odd_rank_metrics(extra):
+    r = TestClient(create_app(Backend(FakeBackend(fake_metrics(**extra))))).get("/metrics")
+    assert r.status_code == 200
+    assert "tokenmill_rejects_total 0.0" in r.text and "# TYPE tokenmill_rank_lost gauge" in r.text

@@ -20,6 +20,7 @@ read in place and copied once, into int64 torch tensors.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import numpy as np
@@ -33,6 +34,8 @@ from service.protocol import (
     SERVICE_NAME,
     TENSOR_COLUMNS,
 )
+
+_CONNECT_LOCK = threading.Lock()
 
 
 class FeedError(RuntimeError):
@@ -71,8 +74,9 @@ class Feed:
 
         from service.cluster import client_address, connect
 
-        if not ray.is_initialized():
-            connect(client_address(address))
+        with _CONNECT_LOCK:  # ranks may be threads of one process (tests, simulators)
+            if not ray.is_initialized():
+                connect(client_address(address))
         deadline = time.time() + timeout_s
         while True:
             try:
