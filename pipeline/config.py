@@ -128,6 +128,9 @@ class ServiceConfig(_Frozen):
     # Serve mode appends skipped records here (relative: to the `serve` working directory);
     # None: count them only.
     rejects: str | None = "rejects.jsonl"
+    # Custom Ray resources the batch-server actor asks for, to place it on a chosen node
+    # (e.g. {"tokenmill_service": 0.01} with `ray start --resources '{"tokenmill_service": 1}'`).
+    resources: dict[str, float] = Field(default_factory=dict)
 
 
 class Config(_Frozen):

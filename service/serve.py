@@ -51,7 +51,8 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
         concurrency_groups=dict(CONCURRENCY_GROUPS),
         max_restarts=0,
     )(BatchServer)
-    actor = actor_class.options(name=name, namespace=NAMESPACE).remote(
+    placement = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
+    actor = actor_class.options(name=name, namespace=NAMESPACE, **placement).remote(
         cfg.model_dump(mode="json"), resume, prefetch, 10_000, cfg.service.rank_timeout_s,
         allow_config_change,
     )  # fmt: skip
