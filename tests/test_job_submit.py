@@ -2,12 +2,8 @@
 
 import json
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -15,11 +11,11 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.test_serve import CONSUMER, free_port, wait_http
+from tests.rayhead import RAY, free_port, ray_head
+from tests.test_serve import CONSUMER, wait_http
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).with_name("ray"))
 # A throwaway loopback cluster: no token auth, for the cluster and for the job CLI alike.
 # `python` in the entrypoint must be this venv's, as it is the image's python in deploy/.
 ENV = os.environ | {
@@ -38,43 +34,11 @@ EXCLUDES = [
 ]
 
 
-def wait_listening(port: int, timeout: float = 120.0) -> None:
-    """The dashboard answers (Ray's token auth makes it answer 401 to us, which is fine)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"nothing listens on {port}")
-
-
 @pytest.fixture
 def head():
-    """A separate `ray start --head` cluster (with the job server), stopped by its own pid."""
-    gcs, dash = free_port(), free_port()
-    temp = tempfile.mkdtemp(prefix="tm", dir="/tmp")  # short: AF_UNIX paths are <= 107 bytes
-    proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
-         "--num-cpus=1", "--object-store-memory=200000000", "--include-dashboard=true",
-         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}",
-         # Its own agent ports: the session's cluster already holds the defaults (52365...),
-         # and a second agent that cannot bind leaves "No available agent to submit job".
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=ENV,
-    )  # fmt: skip
-    try:
-        wait_listening(dash)
-        yield {"gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dash}"}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(temp, ignore_errors=True)
+    """A separate `ray start --head` cluster with the job server."""
+    with ray_head(ENV, dashboard=True) as h:
+        yield h
 
 
 def test_job_submit_serves_a_trainer(head, tmp_path):

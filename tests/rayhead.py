@@ -1,0 +1,64 @@
+"""A separate `ray start --head` cluster for a test: its own temp dir and ports, stopped by
+its own process group (never `ray stop`, which ends every Ray on the machine)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(port: int, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+@contextlib.contextmanager
+def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
+    """Yields {"gcs", "dashboard", "temp"}; `temp` is the cluster's --temp-dir (short: AF_UNIX
+    paths are <= 107 bytes), where it also writes its `ray_current_cluster` file."""
+    gcs, dash = free_port(), free_port()
+    own = temp is None
+    temp = temp or tempfile.mkdtemp(prefix="tm", dir="/tmp")
+    proc = subprocess.Popen(
+        [RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
+         "--num-cpus=1", "--object-store-memory=200000000", f"--include-dashboard={str(dashboard).lower()}",
+         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}",
+         # Its own agent ports: another cluster may hold the defaults (52365...), and a
+         # second agent that cannot bind leaves "No available agent to submit job".
+         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+    )  # fmt: skip
+    try:
+        wait_listening(dash if dashboard else gcs)
+        yield {"gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dash}", "temp": temp}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if own:
+            shutil.rmtree(temp, ignore_errors=True)
