@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-IGNORE = -100
+from service.protocol import IGNORE_LABEL
+
+IGNORE = IGNORE_LABEL
 
 
 def batch_schema(seq_len: int) -> pa.Schema:

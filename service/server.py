@@ -103,8 +103,14 @@ class BatchServer:
             self.seek(state)
         with self._cond:
             self.window.declare(rank, world_size, resuming=state is not None)
+            r = self.window.ranks[rank]
+            if state is not None:  # it may have pulled past its checkpoint before it stopped
+                r.next = min(r.next, int(state["step"]))
+                first = int(state["step"])
+            else:
+                first = r.next
             self._cond.notify_all()
-            return Welcome(self.window.ranks[rank].next, self.window.world)
+            return Welcome(first, self.window.world)
 
     def get(self, rank: int, world_size: int, step: int, wait_s: float = POLL_S) -> StepReply:
         """Rank `rank`'s slice of global `step`, waiting at most `wait_s` for it."""

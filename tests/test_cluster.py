@@ -136,3 +136,21 @@ def test_serve_on_the_token_cluster_then_stop_sigkill_and_restart(foreign, confi
     assert time.time() - t < 10, f"SIGTERM took {time.time() - t:.1f}s"
     gone = tokenmill("status", "--name", name, "--address", foreign["gcs"], env=foreign["env"])
     assert gone.returncode == 1 and "no tokenmill service" in gone.stderr
+
+
+def test_nothing_calls_ray_init_after_tokenmill_shut_its_ray_down(foreign):
+    """A straggling thread's Ray call must fail, not join the cluster Ray would find."""
+    code = """
+import ray
+from service.cluster import connect, shutdown
+shutdown(connect(num_cpus=1, object_store_memory=100 << 20))
+try:
+    ray.put(1)
+except Exception as e:
+    print("refused:", type(e).__name__)
+print("initialized:", ray.is_initialized())
+"""
+    r = subprocess.run([sys.executable, "-c", code], env=foreign["env"], capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "refused:" in r.stdout and "initialized: False" in r.stdout, r.stdout

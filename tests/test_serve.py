@@ -53,6 +53,8 @@ def wait_http(url: str, timeout: float = 120.0) -> dict:
 @pytest.fixture
 def service(ray_cluster, tmp_path):
     write_jsonl(tmp_path / "a.jsonl", stdlib_texts(30, max_bytes=4000))
+    with open(tmp_path / "a.jsonl", "a") as f:
+        f.write('{"text": "cut short\n{"text": 7}\n')  # two bad records: lines 30 and 31
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"seq_len": 64, "global_batch_size": 4, "shuffle": {"window": 4},
                                    "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}}))  # fmt: skip
@@ -62,7 +64,7 @@ def service(ray_cluster, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "service", "serve", "--config", str(cfg), "--address", address,
          "--port", str(port), "--name", name],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
     )  # fmt: skip
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz")
@@ -94,6 +96,24 @@ def test_two_consumer_processes_get_disjoint_rows_of_one_sequence(service, tmp_p
     assert st["world_size"] == 2 and st["global_step"] >= 5
     m = wait_http(f"http://127.0.0.1:{service['port']}/v1/metrics")
     assert m["data_wait_reports"] >= 10
+    assert m["ranks"]["0"]["waits"] >= 5 and m["ranks"]["1"]["lag"] >= 0
+
+
+def test_serve_writes_skipped_records_to_the_rejects_file(service, ray_cluster, tmp_path):
+    """`service.rejects` (default rejects.jsonl, in serve's working directory)."""
+    from trainer.feed import Feed
+
+    feed = Feed.connect(service=service["name"], rank=0, world_size=1, timeout_s=30)
+    deadline = time.time() + 120
+    path = tmp_path / "rejects.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= 2):
+        assert time.time() < deadline, "no rejects file"
+        next(feed, None)  # read on, to the bad lines at the end of the file
+    rejects = [json.loads(x) for x in path.read_text().splitlines()]
+    assert sorted(r["record"] for r in rejects) == [30, 31]
+    assert all(r["file"].endswith("a.jsonl") and r["reason"] for r in rejects)
+    m = wait_http(f"http://127.0.0.1:{service['port']}/v1/metrics")
+    assert m["rejects"] == 2 and m["streams"]["a"]["skipped"] == 2
 
 
 def test_client_fails_fast_when_the_service_dies(service, ray_cluster):

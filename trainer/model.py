@@ -30,7 +30,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-IGNORE_INDEX = -100
+from service.protocol import IGNORE_LABEL
+
+IGNORE_INDEX = IGNORE_LABEL  # the labels of padding, prompts and first tokens
 
 
 def flash_available() -> bool:

@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from service.protocol import TENSOR_COLUMNS
 from trainer.model import IGNORE_INDEX, forward_packed, packed_loss, small_llama
 
-TENSOR_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+TENSOR_KEYS = TENSOR_COLUMNS
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
