@@ -55,6 +55,9 @@ class Backend:
         if self._remote:
             import ray
 
+            from service.protocol import CONTROL_GROUP
+
+            fn = fn.options(concurrency_group=CONTROL_GROUP)  # never queued behind rank polls
             return ray.get(fn.remote(*args), timeout=self.timeout_s)
         return fn(*args)
 
