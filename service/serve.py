@@ -212,8 +212,8 @@ def _find(name: str, address: str | None):
 
     from service.cluster import client_address, connect
 
-    if address is None and service_file(name).exists():
-        address = json.loads(service_file(name).read_text()).get("address")
+    if address is None:
+        address = _recorded_address(name)
     connect(client_address(address))
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
@@ -292,6 +292,19 @@ def run_stop(name: str, address: str | None, timeout_s: float = 15.0) -> int:
         return 0
     finally:
         shutdown(True)
+
+
+def _recorded_address(name: str) -> str | None:
+    """The Ray address in service `name`'s record, unless the record is stale (its serve
+    process ran on this machine and is gone: a SIGKILL leaves the file behind)."""
+    try:
+        rec = json.loads(service_file(name).read_text())
+    except (OSError, ValueError):
+        return None
+    if rec.get("host") == socket.gethostname() and _local_serve_pid(name) is None:
+        service_file(name).unlink(missing_ok=True)
+        return None
+    return rec.get("address")
 
 
 def _local_serve_pid(name: str) -> int | None:

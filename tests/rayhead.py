@@ -34,6 +34,46 @@ def wait_listening(port: int, timeout: float = 120.0) -> None:
     raise TimeoutError(f"nothing listens on {port}")
 
 
+def wait_http(url: str, timeout: float = 120.0) -> dict:
+    import json
+    import urllib.request
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+@contextlib.contextmanager
+def serve_process(config, address: str, name: str, cwd, env: dict | None = None):
+    """`python -m service serve` in a subprocess (in `cwd`, where its rejects file goes),
+    up once /healthz answers; SIGTERMed at the end. Yields {address, port, name, proc}."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve", "--config", str(config), "--address", address,
+         "--port", str(port), "--name", name],
+        env=env or os.environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+    )  # fmt: skip
+    try:
+        try:
+            wait_http(f"http://127.0.0.1:{port}/healthz")
+        except TimeoutError:
+            proc.kill()
+            raise AssertionError(proc.communicate()[0][-3000:]) from None
+        yield {"address": address, "port": port, "name": name, "proc": proc}
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 @contextlib.contextmanager
 def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
     """Yields {"gcs", "dashboard", "temp"}; `temp` is the cluster's --temp-dir (short: AF_UNIX

@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import ray_head
-from tests.test_serve import CONSUMER, free_port, wait_http
+from tests.rayhead import ray_head, serve_process
+from tests.test_serve import CONSUMER
 
 pytestmark = pytest.mark.slow
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -95,46 +95,30 @@ def test_feed_connect_refuses_to_guess_between_clusters(foreign, ray_cluster):
     )
 
 
-def serve(foreign, config, name, port, cwd):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--config", str(config), "--address",
-         foreign["gcs"], "--port", str(port), "--name", name],
-        env=foreign["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-    )  # fmt: skip
-    try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", timeout=120)
-    except TimeoutError:
-        proc.kill()
-        raise AssertionError(proc.communicate()[0][-3000:]) from None
-    return proc
-
-
 def test_serve_on_the_token_cluster_then_stop_sigkill_and_restart(foreign, config, tmp_path):
-    name, port = f"fs{os.getpid()}", free_port()
-    proc = serve(foreign, config, name, port, tmp_path)
-    out = tmp_path / "r0.json"
-    consumer = subprocess.run([sys.executable, "-c", CONSUMER, foreign["gcs"], name, "0", "1", "3", str(out)],
-                              env=foreign["env"], capture_output=True, text=True, timeout=180)  # fmt: skip
-    assert consumer.returncode == 0, consumer.stderr[-2000:]
-    assert [g["step"] for g in json.loads(out.read_text())["got"]] == [0, 1, 2]
-
-    st = tokenmill("status", "--name", name, "--address", foreign["gcs"], env=foreign["env"])
-    assert st.returncode == 0 and "running" in st.stdout, st.stderr[-2000:]
-    stop = tokenmill("stop", "--name", name, env=foreign["env"])  # found by its record
-    assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr
-    assert proc.wait(timeout=15) == 0
+    name, gcs, env = f"fs{os.getpid()}", foreign["gcs"], foreign["env"]
+    with serve_process(config, gcs, name, tmp_path, env) as svc:
+        out = tmp_path / "r0.json"
+        consumer = subprocess.run([sys.executable, "-c", CONSUMER, gcs, name, "0", "1", "3", str(out)],
+                                  env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+        assert consumer.returncode == 0, consumer.stderr[-2000:]
+        assert [g["step"] for g in json.loads(out.read_text())["got"]] == [0, 1, 2]
+        st = tokenmill("status", "--name", name, "--address", gcs, env=env)
+        assert st.returncode == 0 and "running" in st.stdout, st.stderr[-2000:]
+        stop = tokenmill("stop", "--name", name, env=env)  # found by its record
+        assert stop.returncode == 0 and "stopped" in stop.stdout, stop.stdout + stop.stderr
+        assert svc["proc"].wait(timeout=15) == 0
 
     # A SIGKILLed serve leaves nothing that blocks the next one.
-    killed = serve(foreign, config, name, port, tmp_path)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait(timeout=10)
-    fresh = serve(foreign, config, name, port, tmp_path)
-    # SIGTERM drains and exits within 10 s.
-    t = time.time()
-    fresh.send_signal(signal.SIGTERM)
-    assert fresh.wait(timeout=20) == 0
-    assert time.time() - t < 10, f"SIGTERM took {time.time() - t:.1f}s"
-    gone = tokenmill("status", "--name", name, "--address", foreign["gcs"], env=foreign["env"])
+    with serve_process(config, gcs, name, tmp_path, env) as killed:
+        killed["proc"].send_signal(signal.SIGKILL)
+        killed["proc"].wait(timeout=10)
+    with serve_process(config, gcs, name, tmp_path, env) as fresh:
+        t = time.time()  # SIGTERM drains and exits within 10 s
+        fresh["proc"].send_signal(signal.SIGTERM)
+        assert fresh["proc"].wait(timeout=20) == 0
+        assert time.time() - t < 10, f"SIGTERM took {time.time() - t:.1f}s"
+    gone = tokenmill("status", "--name", name, "--address", gcs, env=env)
     assert gone.returncode == 1 and "no tokenmill service" in gone.stderr
 
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import RAY, free_port, ray_head
-from tests.test_serve import CONSUMER, wait_http
+from tests.rayhead import RAY, free_port, ray_head, wait_http
+from tests.test_serve import CONSUMER
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

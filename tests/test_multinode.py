@@ -24,8 +24,8 @@ import yaml
 
 from pipeline.config import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import free_port, wait_http
 from tests.test_ranks import exported
-from tests.test_serve import free_port, wait_http
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

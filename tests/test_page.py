@@ -4,9 +4,6 @@ trainer.feed.Feed, and Debian's headless chromium driven by selenium. Both pages
 from the service alone (no CDN), so every resource the browser loads comes from the service."""
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +11,7 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.test_serve import free_port, wait_http
+from tests.rayhead import serve_process, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -72,24 +69,9 @@ def service(ray_cluster, tmp_path):
                                    "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")], "weight": 0.7},
                                                "b": {"paths": [str(tmp_path / "b.jsonl")], "weight": 0.3}}}))  # fmt: skip
     address = ray_cluster.get_runtime_context().gcs_address
-    port, name = free_port(), f"page{os.getpid()}"
     env = os.environ | {"TOKENMILL_API_TOKEN": "t0ken"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--config", str(cfg), "--address", address,
-         "--port", str(port), "--name", name],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=tmp_path,  # what it writes next to itself (the rejects file) stays out of the checkout
-    )  # fmt: skip
-    try:
-        wait_http(f"http://127.0.0.1:{port}/healthz")
-        yield {"address": address, "port": port, "name": name, "proc": proc}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with serve_process(cfg, address, f"page{os.getpid()}", tmp_path, env) as svc:
+        yield svc
 
 
 @pytest.fixture

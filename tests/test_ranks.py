@@ -172,7 +172,7 @@ def test_64_ranks_pull_while_the_api_answers(served, tmp_path):
     import uvicorn
 
     from service.api import Backend, create_app
-    from tests.test_serve import free_port
+    from tests.rayhead import free_port
 
     world, steps = 64, 6
     cfg = make_cfg(tmp_path, G=64, L=32)

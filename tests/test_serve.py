@@ -4,16 +4,15 @@ processes pulling disjoint batches through trainer.feed.Feed, and failing fast w
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import serve_process, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -33,23 +32,6 @@ json.dump({"got": got, "state_step": state["step"]}, open(out, "w"))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 120.0) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                return json.loads(r.read())
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(url)
-
-
 @pytest.fixture
 def service(ray_cluster, tmp_path):
     write_jsonl(tmp_path / "a.jsonl", stdlib_texts(30, max_bytes=4000))
@@ -59,23 +41,9 @@ def service(ray_cluster, tmp_path):
     cfg.write_text(yaml.safe_dump({"seq_len": 64, "global_batch_size": 4, "shuffle": {"window": 4},
                                    "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}}))  # fmt: skip
     address = ray_cluster.get_runtime_context().gcs_address
-    port, name = free_port(), f"svc{os.getpid()}"
     env = os.environ | {"TOKENMILL_API_TOKEN": "t0ken"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--config", str(cfg), "--address", address,
-         "--port", str(port), "--name", name],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-    )  # fmt: skip
-    try:
-        wait_http(f"http://127.0.0.1:{port}/healthz")
-        yield {"address": address, "port": port, "name": name, "proc": proc}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with serve_process(cfg, address, f"svc{os.getpid()}", tmp_path, env) as svc:
+        yield svc
 
 
 def test_two_consumer_processes_get_disjoint_rows_of_one_sequence(service, tmp_path):

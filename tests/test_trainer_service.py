@@ -10,7 +10,7 @@ import pytest
 from pipeline.config import parse_config
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.test_serve import free_port
+from tests.rayhead import free_port
 
 pytestmark = pytest.mark.slow
 SMALL = ["--hidden", "32", "--layers", "1", "--lr", "3e-3"]
