@@ -30,14 +30,28 @@ def normalize_weights(weights: Mapping[str, float], names: list[str]) -> np.ndar
     w = np.zeros(len(names), dtype=np.float64)
     for i, name in enumerate(names):
         v = weights.get(name, 0.0)
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise ValueError(f"weight of {name!r} must be a number, got {v!r}")
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"weight of {name!r} must be finite and >= 0, got {v}")
-        w[i] = float(v)
-    if w.sum() <= 0:
+        w[i] = check_weight(name, v)
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    if total <= 0:
         raise ValueError("weights must not all be zero")
-    return w / w.sum()
+    if not math.isfinite(total):  # e.g. 1e308 + 1e308: scale first, the shares are the same
+        w = w / w.max()
+        total = w.sum()
+    return w / total
+
+
+def check_weight(name: str, v) -> float:
+    """One weight as a finite float >= 0, or a ValueError that names the stream."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"weight of {name!r} must be a number, got {v!r}")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"weight of {name!r} is too large ({len(str(v))} digits)") from None
+    if not math.isfinite(f) or f < 0:
+        raise ValueError(f"weight of {name!r} must be finite and >= 0, got {f}")
+    return f
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ and `/` is a self-contained live page: both work without internet access.
 from __future__ import annotations
 
 import hmac
-import math
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
+
+from pipeline.mixing import check_weight
 
 PAGE = Path(__file__).with_name("page.html")
 SWAGGER_STATIC = "/static/swagger"  # where the bundled Swagger UI assets are mounted
@@ -73,6 +75,67 @@ def api_token() -> str | None:
     return token or None
 
 
+MAX_BODY = 64 << 10  # bytes; a mixture of a thousand streams fits many times over
+
+
+def token_refusal(authorization: str | None) -> tuple[int, str] | None:
+    """(status, message) when a mutation must be refused; None when the token is right."""
+    token = api_token()
+    if token is None:
+        return 403, "mutations are disabled: set TOKENMILL_API_TOKEN on the server"
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return 401, "missing 'Authorization: Bearer <token>'"
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        return 401, "wrong token"
+    return None
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class GuardMutations:
+    """ASGI middleware: a mutating request's token is checked before its body is read, and
+    bodies are capped at MAX_BODY, so an unauthenticated client cannot make the server read,
+    buffer or parse anything large."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        refusal = token_refusal(headers.get(b"authorization", b"").decode("latin-1"))
+        if refusal:
+            return await _reply(send, *refusal)
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+            return await _reply(send, 413, f"request body over {MAX_BODY} bytes")
+        received = 0
+
+        async def capped():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > MAX_BODY:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, capped, send)
+        except _TooLarge:
+            await _reply(send, 413, f"request body over {MAX_BODY} bytes")
+
+
+async def _reply(send, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class MixtureUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     weights: dict[str, StrictFloat | StrictInt]
@@ -96,18 +159,12 @@ def create_app(backend: Backend) -> FastAPI:
         title="tokenmill", version="0.1.0", description=__doc__, docs_url=None, redoc_url=None
     )
     app.mount(SWAGGER_STATIC, StaticFiles(directory=_swagger_assets()), name="swagger-static")
+    app.add_middleware(GuardMutations)
 
     def require_token(authorization: str | None = Header(default=None)) -> None:
-        token = api_token()
-        if token is None:
-            raise HTTPException(
-                403, "mutations are disabled: set TOKENMILL_API_TOKEN on the server"
-            )
-        scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise HTTPException(401, "missing 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
-            raise HTTPException(401, "wrong token")
+        refusal = token_refusal(authorization)
+        if refusal:
+            raise HTTPException(*refusal)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
@@ -145,8 +202,10 @@ def create_app(backend: Backend) -> FastAPI:
     )
     def put_mixture(update: MixtureUpdate) -> dict:
         for name, v in update.weights.items():
-            if not math.isfinite(v) or v < 0:
-                raise HTTPException(400, f"weight of {name!r} must be finite and >= 0, got {v}")
+            try:
+                check_weight(name, v)
+            except ValueError as e:
+                raise HTTPException(400, str(e)) from None
         streams = list(backend.call("status")["streams"])
         listed = ", ".join(repr(n) for n in streams)
         unknown = [n for n in update.weights if n not in streams]

@@ -79,6 +79,13 @@ def cmd_export(args) -> int:
     print(
         f"wrote {args.out}/ (summary.json, rejects.jsonl: {summary['rejects_written']} skipped records)"
     )
+    if not summary["steps_written"]:  # every record rejected or dropped, or no data at all
+        print(
+            f"error: the export delivered nothing: {summary['rejects_written']} skipped "
+            f"records (see {args.out}/rejects.jsonl), 0 steps",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -251,9 +258,12 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
-    if getattr(args, "steps", None) is not None and args.steps < 1:
-        print("error: --steps must be >= 1", file=sys.stderr)
-        return 2
+    for flag in ("steps", "world_size", "state_every"):
+        value = getattr(args, flag, None)
+        if value is not None and value < (0 if flag == "state_every" else 1):
+            need = ">= 0" if flag == "state_every" else ">= 1"
+            print(f"error: --{flag.replace('_', '-')} must be {need}, got {value}", file=sys.stderr)
+            return 2
     t0 = time.monotonic()
     try:
         return args.func(args)

@@ -25,7 +25,7 @@ import threading
 import time
 
 from pipeline.config import Config
-from pipeline.feed import Feed, rank_slice
+from pipeline.feed import Feed, StateError, rank_slice
 from service.producer import Producer
 from service.protocol import (
     POLL_S,
@@ -70,16 +70,30 @@ class BatchServer:
     # -- production -------------------------------------------------------------------------
 
     def _start_feed(self, state: dict | None, allow_config_change: bool = False) -> None:
-        self.feed = Feed(
-            self.cfg,
-            state=state,
-            allow_config_change=allow_config_change,
-            on_reject=self.telemetry.add_reject,
-        )
-        self.window = StepWindow(self.feed.step, self.prefetch, self.rank_timeout_s)
+        self._install(self._make_feed(state, allow_config_change))
+
+    def _make_feed(self, state: dict | None, allow_config_change: bool = False) -> Feed:
+        """A Feed at `state`; a state that does not fit raises here, before anything changes."""
+        try:
+            return Feed(
+                self.cfg,
+                state=state,
+                allow_config_change=allow_config_change,
+                on_reject=self.telemetry.add_reject,
+            )
+        except StateError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            if state is None:
+                raise
+            raise StateError(f"resume state refused: {type(e).__name__}: {e}") from None
+
+    def _install(self, feed: Feed) -> None:
+        self.feed = feed
+        self.window = StepWindow(feed.step, self.prefetch, self.rank_timeout_s)
         self._slices.clear()
         self.producer = Producer(
-            self.feed, self.window, self._cond, self.keep_states, on_step=self._on_step
+            feed, self.window, self._cond, self.keep_states, on_step=self._on_step
         ).start()
 
     def _on_step(self) -> None:  # under the lock, after each produced step
@@ -174,16 +188,23 @@ class BatchServer:
             return states[step]
 
     def seek(self, state: dict) -> int:
-        """Continue from `state` (ranks resuming). A no-op when that step is still held."""
-        step = int(state["step"])
+        """Continue from `state` (ranks resuming). A no-op when that step is still held.
+
+        The new feed is built (and the state validated) first; only then is the running one
+        swapped out. A bad state is refused and leaves the running sequence untouched."""
+        try:
+            step = int(state["step"])
+        except (TypeError, KeyError, ValueError):
+            raise StateError("resume state has no integer 'step'") from None
         with self._seek_lock:
             with self._cond:
                 held = step in self.window.steps or step == self.window.produced
                 if held and state in (self.producer.states.get(step), self._seeked):
                     return step
-            self.producer.stop()  # also stops the old feed's reads before the new one starts
+            feed = self._make_feed(state)  # raises on a bad state; nothing changed yet
+            self.producer.stop()  # also stops the old feed's reads
             with self._cond:
-                self._start_feed(state)
+                self._install(feed)
                 self._seeked = state
                 self._cond.notify_all()
             return step
@@ -199,7 +220,10 @@ class BatchServer:
                 f"(streams: {', '.join(self.cfg.streams)})"
             )
         with self._cond:
-            step = self.feed.set_weights(weights, self.feed.step + int(self.producer.busy))
+            # The first step whose production has not begun. Both terms change only under
+            # this lock (feed.step moves inside next_step, outside it), so concurrent calls
+            # agree and the schedule never goes backwards.
+            step = self.feed.set_weights(weights, self.window.produced + int(self.producer.busy))
             self._sample(force=True)
             return step
 
