@@ -11,7 +11,6 @@ hosts a Feed in a Ray actor (no CPU reserved: the expensive work runs in Ray Dat
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 
@@ -23,6 +22,7 @@ from pipeline.documents import Cursor, Reject, StreamDocs
 from pipeline.mixing import DeficitMixer
 from pipeline.packing import make_packer
 from pipeline.schema import build_batch, with_metadata
+from pipeline.states import STATE_VERSION, check_state, seal
 from pipeline.stats import describe_lengths
 from pipeline.tokenization import BACKEND_NAMES, load_tokenizer
 
@@ -95,27 +95,29 @@ class Feed:
         nexts = [s.next_cursor for s in self.streams]
         packer = self.packer.state(nexts)
         restart = packer.pop("restart")
-        return {
-            "version": STATE_VERSION,
-            "config_hash": self.config_hash,
-            "step": self.step,
-            "streams": {
-                n: {
-                    "restart": (restart[i] or nexts[i]).to_json(),
-                    "next": nexts[i].to_json(),
-                    "reported": list(self.streams[i].read_mark),
-                }
-                for i, n in enumerate(self.names)
-            },
-            "packer": packer,
-            "mixer": self.mixer.state(),
-            "feed": {
-                "rows": self.rows,
-                "real_tokens": self.real_tokens,
-                "docs_emitted": self.docs_emitted.tolist(),
-                "finished": self.finished,
-            },
-        }
+        return seal(
+            {
+                "version": STATE_VERSION,
+                "config_hash": self.config_hash,
+                "step": self.step,
+                "streams": {
+                    n: {
+                        "restart": (restart[i] or nexts[i]).to_json(),
+                        "next": nexts[i].to_json(),
+                        "reported": list(self.streams[i].read_mark),
+                    }
+                    for i, n in enumerate(self.names)
+                },
+                "packer": packer,
+                "mixer": self.mixer.state(),
+                "feed": {
+                    "rows": self.rows,
+                    "real_tokens": self.real_tokens,
+                    "docs_emitted": self.docs_emitted.tolist(),
+                    "finished": self.finished,
+                },
+            }
+        )
 
     def _restore(self, state: dict, allow_config_change: bool) -> None:
         self.mixer.restore(state["mixer"])
@@ -234,34 +236,6 @@ class Feed:
             },
             "config_hash": self.config_hash,
         }
-
-
-STATE_VERSION = 1
-
-
-class StateError(ValueError):
-    """A resume state that does not fit this config."""
-
-
-def check_state(state: dict, config_hash: str, names: list[str], allow_config_change: bool) -> None:
-    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-        raise StateError(
-            f"resume state has version {state.get('version')!r}, expected {STATE_VERSION}"
-        )
-    if state["config_hash"] != config_hash:
-        if not allow_config_change:
-            raise StateError(
-                f"resume state was written by config {state['config_hash']}, this config is "
-                f"{config_hash}; pass --allow-config-change to resume anyway (weights from the "
-                "new config apply from the resume step and are recorded)"
-            )
-        logging.getLogger("tokenmill").warning(
-            "resuming a state of config %s with config %s", state["config_hash"], config_hash
-        )
-    if sorted(state["streams"]) != sorted(names):
-        raise StateError(
-            f"resume state has streams {sorted(state['streams'])}, config has {sorted(names)}"
-        )
 
 
 def rank_slice(

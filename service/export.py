@@ -22,7 +22,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import Config
-from pipeline.feed import FeedActor, check_state, next_steps, rank_slice
+from pipeline.feed import FeedActor, next_steps, rank_slice
+from pipeline.states import check_state
 
 STEPS_PER_CALL = 4
 

@@ -25,7 +25,8 @@ import threading
 import time
 
 from pipeline.config import Config
-from pipeline.feed import Feed, StateError, rank_slice
+from pipeline.feed import Feed, rank_slice
+from pipeline.states import StateError
 from service.producer import Producer
 from service.protocol import (
     POLL_S,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from pipeline.feed import StateError
+from pipeline.states import StateError
 from tests import test_api
 from tests.test_api import AUTH, take
 

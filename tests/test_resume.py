@@ -5,7 +5,8 @@ import json
 import pytest
 
 from pipeline.config import parse_config
-from pipeline.feed import Feed, StateError
+from pipeline.feed import Feed
+from pipeline.states import StateError
 from service.demo_corpus import _chat_pairs
 from tests.conformance import assert_resume_conforms
 from tests.conftest import STDLIB, stdlib_texts, write_jsonl
