@@ -120,9 +120,14 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
             else:
                 what = f"requires an auth token and none was found: {_TOKEN_HELP}"
             raise ClusterError(f"the Ray cluster at {address} {what}") from None
+        why = (
+            f"within {timeout_s:.0f}s"
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED
+            else f"({code.name if code else e})"
+        )
         raise ClusterError(
-            f"no Ray cluster answers at {address} within {timeout_s:.0f}s ({code.name if code else e}); "
-            "check the address (`ray status` on the head node prints it)"
+            f"no Ray cluster answers at {address} {why}; check the address "
+            "(`ray status` on the head node prints it)"
         ) from None
     finally:
         channel.close()
