@@ -31,6 +31,22 @@ _SENTINEL = "\x1ftokenmill-content-{}\x1f"
 _SENTINEL_RE = re.compile("\x1ftokenmill-content-(\\d+)\x1f")
 
 
+def lone_surrogate(text: str) -> str | None:
+    """None if `text` can be encoded as UTF-8, else where its first lone surrogate is.
+
+    JSON can spell a lone surrogate ("\\ud800") and `json.loads` hands it over as is; no
+    tokenizer backend can encode it the same way (HF raises, tiktoken substitutes U+FFFD), so
+    such text is a bad record. ASCII text (the common case) is answered without a scan.
+    """
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate (U+{ord(text[e.start]):04X}) at character {e.start}"
+    return None
+
+
 def validate_messages(value) -> tuple[list[dict] | None, str | None]:
     """Return (messages, None) or (None, reason) for a record's `messages` field."""
     if value is None:
@@ -51,6 +67,9 @@ def validate_messages(value) -> tuple[list[dict] | None, str | None]:
                 None,
                 f"message {i}: content has type {type(content).__name__}, expected a string",
             )
+        bad = lone_surrogate(content)
+        if bad:
+            return None, f"message {i}: content has {bad}"
         out.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" and m["content"].strip() for m in out):
         return None, "no assistant turn with content"

@@ -65,6 +65,9 @@ class ShuffleConfig(_Frozen):
     window: int = Field(default=256, ge=1, le=10_000_000)
 
 
+MAX_RECORD_BYTES = 64 << 20
+
+
 class ReadConfig(_Frozen):
     """How reading is cut into Ray Data tasks (see docs/architecture.md)."""
 
@@ -77,6 +80,10 @@ class ReadConfig(_Frozen):
         return min(self.block_bytes, self.first_block_bytes)
 
     max_in_flight: int = Field(default=0, ge=0)  # 0: 2 x the cluster's CPUs
+    # A JSONL record (line) or text-format file longer than this is a counted reject, read
+    # past without being held: one huge line (a decompression bomb, a file without line
+    # endings) cannot exhaust memory.
+    max_record_bytes: int = Field(default=MAX_RECORD_BYTES, gt=0)
 
 
 class StreamConfig(_Frozen):
@@ -186,6 +193,8 @@ class Config(_Frozen):
         data = self.model_dump(
             mode="json", exclude={"service": True, "tokenizer": {"backend", "verify_fraction"}}
         )
+        if data["read"]["max_record_bytes"] == MAX_RECORD_BYTES:
+            del data["read"]["max_record_bytes"]  # the default keeps older configs' hashes
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -203,8 +203,9 @@ class StreamDocs:
 
     def pieces(self) -> list[list[Piece]]:
         if self._pieces is None:
+            read = self.cfg.read
             self._pieces = plan_pieces(
-                self.stream.paths, self.stream.format, self.cfg.read.piece_bytes
+                self.stream.paths, self.stream.format, read.piece_bytes, read.max_record_bytes
             )
         return self._pieces
 

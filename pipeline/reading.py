@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from pipeline.chat import ChatEncoder, validate_messages
+from pipeline.chat import ChatEncoder, lone_surrogate, validate_messages
 from pipeline.config import StreamConfig, TokenizerConfig
 from pipeline.sources import WHOLE_FILE, Piece, read_piece
 from pipeline.tokenization import BACKEND_NONE, LoadedTokenizer, load_tokenizer
@@ -92,6 +92,9 @@ def validate_text(value) -> tuple[str | None, str | None]:
         return None, f"field has type {type(value).__name__}, expected a string"
     if not value.strip():
         return None, "empty document"
+    bad = lone_surrogate(value)
+    if bad:
+        return None, f"text has {bad}"
     return value, None
 
 

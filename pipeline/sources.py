@@ -8,10 +8,30 @@ what comes before it, which is also what lets a resumed run seek instead of re-r
 Reading yields ``(record_index, payload, error)``; bad records never raise here. Whether a bad
 record stops the run or is counted and skipped is the feed's decision (`on_error`), made in
 stream order so that the outcome is deterministic.
+
+JSONL is read as a stream of lines, `_CHUNK` bytes at a time, whatever the compression: memory
+per reader is one chunk plus one record, and a line longer than `read.max_record_bytes` is
+read past and rejected (a one-line decompression bomb costs time, not memory). What hostile
+files turn into (issue 13: no bad input may lose good data):
+
+- A damaged stream (a truncated or corrupt `.gz`, a read error) keeps every complete line
+  before the damage; the damage is one reject at the record index where it happened.
+- A file whose first MiB holds a CR and no LF (classic Mac line endings) has its lines split
+  at CRs; such files, like compressed ones, are read whole (one piece). Any other file is
+  split at LF only: in CRLF files and inside records the CR is JSON whitespace.
+- A `.gz`/`.bz2`/`.zst` file that does not start with its format's magic bytes is read as the
+  plain file it is (the content decides, not the name).
+- JSON that the parser cannot take (invalid, nested too deeply for its recursion limit, ...)
+  is a reject naming the record, never an exception out of the reader.
+- Text with a lone surrogate (JSON can spell one as "\\ud800"; no UTF-8 file can) is
+  rejected by the validators in `reading`/`chat`, so check, stats and export agree.
+- MDS `index.json` entries are validated up front (`list_mds_shards`): a malformed entry or a
+  shard name that leaves the dataset directory is an error naming the index and shard number.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -21,7 +41,10 @@ from typing import Any
 
 import fsspec
 
+from pipeline.config import MAX_RECORD_BYTES
+
 WHOLE_FILE = 0xFFFFFFFF  # record index used for errors that concern a whole file or piece
+_CHUNK = 1 << 20  # JSONL bytes read at a time: memory per reader is this plus one record
 _EXTENSIONS = {
     ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
     ".jsonl.gz": "jsonl", ".jsonl.zst": "jsonl", ".jsonl.bz2": "jsonl",
@@ -139,11 +162,26 @@ def _is_export_step(path: str) -> bool:
     return name.startswith("step-") and name.endswith((".parquet", ".arrow"))
 
 
+_MAGIC = {".gz": b"\x1f\x8b", ".bz2": b"BZh", ".zst": b"\x28\xb5\x2f\xfd"}
+
+
+def _compressed(path: str) -> bool:
+    """Whether a file named as compressed really is: its first bytes are the format's magic.
+
+    A `.gz` (`.bz2`, `.zst`) file that holds plain text is read as the plain text it is.
+    """
+    magic = next((m for ext, m in _MAGIC.items() if path.endswith(ext)), None)
+    if magic is None:
+        return False
+    with fsspec.open(path, "rb").open() if _is_url(path) else open(path, "rb") as f:
+        return f.read(len(magic)) == magic
+
+
 def open_file(path: str, mode: str = "rb"):
+    if _compressed(path):
+        return fsspec.open(path, mode, compression="infer").open()
     if _is_url(path):
-        return fsspec.open(path, mode, compression="infer").open()
-    if path.endswith((".gz", ".zst", ".bz2")):
-        return fsspec.open(path, mode, compression="infer").open()
+        return fsspec.open(path, mode).open()
     return open(path, mode)  # noqa: SIM115 - the caller closes it
 
 
@@ -161,6 +199,7 @@ class Piece:
     jsonl: bytes [start, end) beginning at line `first_record`; text: the whole file;
     parquet: row group `start` whose first row is `first_record`; mds: shard `path` with its
     index entry `meta`. `nbytes` estimates the work, for grouping pieces into read tasks.
+    `max_record`: a JSONL line or text file longer than this many bytes is rejected unread.
     """
 
     file_index: int
@@ -171,6 +210,7 @@ class Piece:
     end: int = -1
     nbytes: int = 0
     meta: dict | None = None
+    max_record: int = MAX_RECORD_BYTES  # read.max_record_bytes
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -191,17 +231,48 @@ def list_mds_shards(index_files: list[str]) -> list[tuple[str, dict]]:
             entries = obj["shards"]
         except Exception as e:
             raise ValueError(f"{idx}: not a readable MDS index.json: {e}") from e
-        for entry in entries:
-            raw = entry.get("raw_data") or entry.get("zip_data")
-            shards.append((f"{root}/{raw['basename']}", entry))
+        if not isinstance(entries, list):
+            raise ValueError(f"{idx}: 'shards' is a {type(entries).__name__}, expected a list")
+        for n, entry in enumerate(entries):
+            shards.append((f"{root}/{_shard_basename(idx, n, entry)}", entry))
     shards.sort(key=lambda s: s[0])
     return shards
 
 
-def _jsonl_pieces(fi: int, path: str, size: int, piece_bytes: int) -> list[Piece]:
-    """Cut a JSONL file at line starts near every `piece_bytes`, counting lines on the way."""
+def _shard_basename(idx: str, n: int, entry: Any) -> str:
+    """Validate shard `n` of MDS index `idx`; its file name, relative to the index's directory.
+
+    A name that would leave the dataset directory (absolute, or with a `..` component) is
+    refused, as is an entry without a usable `raw_data`/`zip_data` basename or sample count.
+    """
+    where = f"{idx}: shard {n}"
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where}: entry is a JSON {type(entry).__name__}, expected an object")
+    infos = {k: entry.get(k) for k in ("raw_data", "zip_data") if entry.get(k) is not None}
+    if not infos:
+        raise ValueError(f"{where}: has neither 'raw_data' nor 'zip_data'")
+    for key, info in infos.items():
+        name = info.get("basename") if isinstance(info, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: {key}.basename must be a file name, got {name!r}")
+        if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/"):
+            raise ValueError(f"{where}: {key}.basename {name!r} leaves the dataset directory")
+    samples = entry.get("samples")
+    if type(samples) is not int or samples < 0:
+        raise ValueError(f"{where}: 'samples' must be a count >= 0, got {samples!r}")
+    return (infos.get("raw_data") or infos["zip_data"])["basename"]
+
+
+def _jsonl_pieces(
+    fi: int, path: str, size: int, piece_bytes: int, max_record: int = MAX_RECORD_BYTES
+) -> list[Piece]:
+    """Cut a JSONL file at line starts near every `piece_bytes`, counting lines on the way.
+
+    Compressed files and files whose lines end in a bare CR are read whole, as one piece.
+    """
+    whole = [Piece(fi, path, "jsonl", 0, 0, -1, size, max_record=max_record)]
     if size <= piece_bytes or path.endswith((".gz", ".zst", ".bz2")):
-        return [Piece(fi, path, "jsonl", 0, 0, -1, size)]
+        return whole
     pieces, start, first, lines, pos = [], 0, 0, 0, 0
     next_cut = piece_bytes
     with open_file(path) as f:
@@ -209,6 +280,8 @@ def _jsonl_pieces(fi: int, path: str, size: int, piece_bytes: int) -> list[Piece
             chunk = f.read(4 << 20)
             if not chunk:
                 break
+            if pos == 0 and _cr_lines(chunk):
+                return whole
             search_from = 0
             while pos + len(chunk) > next_cut:
                 nl = chunk.find(b"\n", max(search_from, next_cut - pos))
@@ -217,17 +290,32 @@ def _jsonl_pieces(fi: int, path: str, size: int, piece_bytes: int) -> list[Piece
                 lines += chunk.count(b"\n", search_from, nl + 1)
                 cut = pos + nl + 1
                 if cut < size:
-                    pieces.append(Piece(fi, path, "jsonl", first, start, cut, cut - start))
+                    pieces.append(
+                        Piece(fi, path, "jsonl", first, start, cut, cut - start, None, max_record)
+                    )
                     start, first = cut, lines
                 search_from = nl + 1
                 next_cut = cut + piece_bytes
             lines += chunk.count(b"\n", search_from)
             pos += len(chunk)
-    pieces.append(Piece(fi, path, "jsonl", first, start, -1, size - start))
+    pieces.append(Piece(fi, path, "jsonl", first, start, -1, size - start, None, max_record))
     return pieces
 
 
-def plan_pieces(files: list[str], fmt: str, piece_bytes: int) -> list[list[Piece]]:
+def _cr_lines(head: bytes) -> bool:
+    """Whether a file starting with `head` has classic Mac line endings (bare CRs).
+
+    Decided on the first `_CHUNK` bytes alone, by the planner and the reader alike: a CR and
+    no LF there. (A CR inside a record of a valid LF file is JSON whitespace; an LF follows
+    within the first chunk unless that record is longer than a chunk.)
+    """
+    head = head[:_CHUNK]
+    return b"\r" in head and b"\n" not in head
+
+
+def plan_pieces(
+    files: list[str], fmt: str, piece_bytes: int, max_record: int = MAX_RECORD_BYTES
+) -> list[list[Piece]]:
     """Per file (in file_index order), the pieces it is read in.
 
     Metadata that cannot be read (a corrupt Parquet footer, say) becomes a single piece whose
@@ -243,7 +331,7 @@ def plan_pieces(files: list[str], fmt: str, piece_bytes: int) -> list[list[Piece
                     0,
                     0,
                     -1,
-                    int((meta.get("raw_data") or {}).get("bytes", 0)),
+                    _int_or_0((meta.get("raw_data") or {}).get("bytes", 0)),
                     meta,
                 )
             ]
@@ -254,18 +342,22 @@ def plan_pieces(files: list[str], fmt: str, piece_bytes: int) -> list[list[Piece
         try:
             size = _size(path)
         except OSError:
-            out.append([Piece(fi, path, fmt)])
+            out.append([Piece(fi, path, fmt, max_record=max_record)])
             continue
         if fmt == "jsonl":
             try:
-                out.append(_jsonl_pieces(fi, path, size, piece_bytes))
+                out.append(_jsonl_pieces(fi, path, size, piece_bytes, max_record))
             except OSError:
-                out.append([Piece(fi, path, fmt, nbytes=size)])
+                out.append([Piece(fi, path, fmt, nbytes=size, max_record=max_record)])
         elif fmt == "parquet":
             out.append(_parquet_pieces(fi, path, size))
         else:
-            out.append([Piece(fi, path, fmt, nbytes=size)])
+            out.append([Piece(fi, path, fmt, nbytes=size, max_record=max_record)])
     return out
+
+
+def _int_or_0(v: Any) -> int:
+    return v if type(v) is int and v >= 0 else 0
 
 
 def _parquet_pieces(fi: int, path: str, size: int) -> list[Piece]:
@@ -318,47 +410,134 @@ def _open_or_fail(path: str):
         raise _PieceError(f"unreadable file: {type(e).__name__}: {e}") from e
 
 
+def _chunks(f, limit: int, failed: list[Exception]) -> Iterator[bytes]:
+    """`f`'s bytes, up to `limit` (-1: all), a chunk at a time; a read error ends them, kept
+    in `failed`."""
+    # read1 where there is one: a decompressor's read(n) that hits damage raises and drops
+    # what it had decompressed of those n bytes; read1 returns that data first.
+    read = getattr(f, "read1", f.read)
+    left = limit
+    while left:
+        try:
+            chunk = read(_CHUNK if left < 0 else min(_CHUNK, left))
+        except Exception as e:
+            failed.append(e)
+            return
+        if not chunk:
+            return
+        if left > 0:
+            left -= len(chunk)
+        yield chunk
+
+
+def _lines(f, limit: int, max_record: int, detect_cr: bool) -> Iterator[tuple[bytes | None, str]]:
+    """The records of a byte stream, one per line: (line, "") or (None, why it is bad).
+
+    Reads at most `limit` bytes (-1: to the end) in `_CHUNK`s, never holding more than one
+    record: a line longer than `max_record` is read past and reported. A read error (a
+    truncated or corrupt compressed stream) ends the records with one reported as damaged;
+    every complete line before it is kept. With `detect_cr`, a stream whose first `_CHUNK`
+    bytes hold a CR and no LF is split at CRs (`_cr_lines`).
+    """
+    failed: list[Exception] = []
+    chunks, sep, pos = _chunks(f, limit, failed), b"\n", 0
+    head: list[bytes] = []
+    if detect_cr:  # read the first chunk's worth to decide the separator
+        for chunk in chunks:
+            head.append(chunk)
+            if sum(map(len, head)) >= _CHUNK:
+                break
+        if head and _cr_lines(b"".join(head)):
+            sep = b"\r"
+    carry: list[bytes] = []
+    carried, skipping = 0, False  # bytes of the line so far; whether it is over the cap
+
+    def too_long(n: int) -> tuple[None, str]:
+        return None, f"record of {n} bytes is longer than read.max_record_bytes ({max_record})"
+
+    for chunk in itertools.chain(head, chunks):
+        pos += len(chunk)
+        parts = chunk.split(sep)
+        if len(parts) > 1:
+            first = parts[0]
+            n = carried + len(first)
+            if skipping or n > max_record:
+                yield too_long(n)
+            elif carry:
+                carry.append(first)
+                yield b"".join(carry), ""
+            else:
+                yield first, ""
+            carry, carried, skipping = [], 0, False
+            for line in parts[1:-1]:
+                yield (line, "") if len(line) <= max_record else too_long(len(line))
+        last = parts[-1]
+        carried += len(last)
+        if skipping:
+            continue
+        if carried > max_record:
+            carry, skipping = [], True
+        elif last:
+            carry.append(last)
+    if failed:  # the damaged line, if any, and whatever followed it: one bad record
+        e = failed[0]
+        yield None, f"damaged input after {pos} bytes ({type(e).__name__}: {e})"
+    elif skipping:
+        yield too_long(carried)
+    elif carried:
+        yield b"".join(carry), ""  # a last line without a line ending
+
+
 def _read_jsonl(piece: Piece, field: str):
     f = _open_or_fail(piece.path)
     with f:
         try:
             if piece.start:
                 f.seek(piece.start)
-            data = f.read() if piece.end < 0 else f.read(piece.end - piece.start)
         except Exception as e:
             raise _PieceError(f"unreadable file: {type(e).__name__}: {e}") from e
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()  # the final newline ends the last record; it does not start a new one
-    for i, raw in enumerate(lines):
-        rec = piece.first_record + i
-        if not raw.strip():
-            yield rec, None, "empty line"
-            continue
-        try:
-            obj = json.loads(raw)
-        except UnicodeDecodeError as e:
-            yield rec, None, f"invalid UTF-8 at byte {e.start}"
-            continue
-        except ValueError as e:
-            yield rec, None, f"invalid JSON: {e}"
-            continue
-        if not isinstance(obj, dict):
-            yield rec, None, f"record is a JSON {type(obj).__name__}, expected an object"
-            continue
-        if field not in obj:
-            yield rec, None, f"missing field {field!r}"
-            continue
-        yield rec, obj[field], None
+        limit = -1 if piece.end < 0 else piece.end - piece.start
+        lines = _lines(f, limit, piece.max_record, detect_cr=piece.start == 0)
+        for rec, (raw, bad) in enumerate(lines, piece.first_record):
+            if raw is None:
+                yield rec, None, bad
+                continue
+            if not raw.strip():
+                yield rec, None, "empty line"
+                continue
+            try:
+                obj = json.loads(raw)
+            except UnicodeDecodeError as e:
+                yield rec, None, f"invalid UTF-8 at byte {e.start}"
+                continue
+            except ValueError as e:
+                yield rec, None, f"invalid JSON: {e}"
+                continue
+            except RecursionError:
+                yield rec, None, "invalid JSON: nested too deeply"
+                continue
+            except Exception as e:  # whatever else hostile bytes make the parser raise
+                yield rec, None, f"invalid JSON: {type(e).__name__}: {e}"
+                continue
+            if not isinstance(obj, dict):
+                yield rec, None, f"record is a JSON {type(obj).__name__}, expected an object"
+                continue
+            if field not in obj:
+                yield rec, None, f"missing field {field!r}"
+                continue
+            yield rec, obj[field], None
 
 
 def _read_text(piece: Piece):
     f = _open_or_fail(piece.path)
     with f:
         try:
-            data = f.read()
+            data = f.read(piece.max_record + 1)
         except Exception as e:
             raise _PieceError(f"unreadable file: {type(e).__name__}: {e}") from e
+    if len(data) > piece.max_record:
+        yield 0, None, f"file is longer than read.max_record_bytes ({piece.max_record})"
+        return
     try:
         yield 0, data.decode("utf-8"), None
     except UnicodeDecodeError as e:
@@ -391,7 +570,10 @@ def _read_mds(piece: Piece, field: str):
     from streaming.base.format import reader_from_json
 
     meta = piece.meta or {}
-    reader = reader_from_json("/nonexistent", None, meta)
+    try:
+        reader = reader_from_json("/nonexistent", None, meta)
+    except Exception as e:
+        raise _PieceError(f"bad MDS index entry: {type(e).__name__}: {e}") from e
     try:
         reader.validate(allow_unsafe_types=False)  # never unpickle outside data
     except ValueError as e:

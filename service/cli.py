@@ -148,6 +148,11 @@ def cmd_stats(args) -> int:
         Path(args.json).write_text(json.dumps(stats, indent=2) + "\n")
     for name, st in stats.items():
         print(f"stream {name}: {st['docs']} docs sampled")
+        if st["skipped_while_sampling"]:
+            print(
+                f"  {st['skipped_while_sampling']} bad record(s) skipped while sampling "
+                "(`tokenmill check` lists them)"
+            )
         if not st["docs"]:
             continue
         print(
