@@ -368,6 +368,13 @@ def load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
     bos = cfg.bos_id if cfg.bos_id is not None else bos
     eos = cfg.eos_id if cfg.eos_id is not None else eos
     pad = cfg.pad_id if cfg.pad_id is not None else (pad if pad is not None else (eos or 0))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    for key, value in (("bos_id", cfg.bos_id), ("eos_id", cfg.eos_id), ("pad_id", cfg.pad_id)):
+        if value is not None and value >= vocab:
+            raise ValueError(
+                f"tokenizer.{key}: {value} is not an id of {cfg.name!r} (its vocabulary has "
+                f"{vocab} ids, 0..{vocab - 1})"
+            )
     if cfg.add_bos and bos is None:
         raise ValueError(f"tokenizer.add_bos: {cfg.name!r} has no BOS token; set tokenizer.bos_id")
     if cfg.add_eos and eos is None:

@@ -180,3 +180,11 @@ def test_other_byte_level_forms_get_an_exact_fast_backend(tmp_path, variant):
     flat, _, backend = every.encode_verified(texts)
     assert backend == BACKEND_FAST
     assert flat.tolist() == tok.encode(texts)[0].tolist()
+
+
+@pytest.mark.parametrize("key", ["bos_id", "eos_id", "pad_id"])
+def test_special_ids_outside_the_vocabulary_are_refused(key):
+    from pipeline.config import TokenizerConfig
+
+    with pytest.raises(ValueError, match=rf"tokenizer.{key}: 2000000000 is not an id of 'default'"):
+        load_tokenizer(TokenizerConfig(**{key: 2_000_000_000}))
