@@ -211,3 +211,20 @@ def test_64_ranks_pull_while_the_api_answers(served, tmp_path):
     print(f"\n/v1/status under 64 ranks: n={len(latencies)} p50={statistics.median(latencies) * 1e3:.1f}ms "
           f"p99={p99 * 1e3:.1f}ms max={max(latencies) * 1e3:.1f}ms")  # fmt: skip
     assert p99 < 5.0, "the API must stay responsive (a hang guard, not a benchmark)"
+
+
+def test_a_rank_away_past_the_timeout_is_reported_lost_and_told_why(served, tmp_path):
+    from trainer.feed import Feed, FeedError
+
+    cfg = make_cfg(tmp_path)
+    cfg = cfg.model_copy(update={"service": cfg.service.model_copy(update={"rank_timeout_s": 3.0})})
+    name = f"lost{os.getpid()}"
+    actor = served(cfg, name, prefetch=2)
+    got = []
+    pull(name, 0, 2, 6, got)  # rank 1 never comes: after 3 s rank 0 goes on without it
+    assert [s for s, _, _ in got] == list(range(6))
+    st = ray.get(actor.status.remote())
+    assert st["lost_ranks"] == [1] and ray.get(actor.metrics.remote())["ranks"]["1"]["lost"]
+    late = Feed.connect(service=name, rank=1, world_size=2)
+    with pytest.raises(FeedError, match=r"rank_timeout_s=3"):
+        next(late)
