@@ -86,9 +86,13 @@ def enable_token_auth() -> None:
     Set in our environment, so child processes (torchrun ranks) inherit it. A cluster without
     authentication ignores the token."""
     if os.environ.get("RAY_AUTH_MODE") is None and auth_token_available():
-        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+        _token_mode()
 
-        _enable_token_auth()  # sets RAY_AUTH_MODE=token and reloads Ray's cached config
+
+def _token_mode() -> None:
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    _enable_token_auth()  # sets RAY_AUTH_MODE=token and reloads Ray's cached config
 
 
 def gcs_address(address: str) -> str | None:
@@ -160,6 +164,11 @@ def connect(
         return False
     if object_store_memory is None:
         object_store_memory = int(os.environ.get("TOKENMILL_OBJECT_STORE_BYTES", 1 << 30))
+    if os.environ.get("RAY_AUTH_MODE") is None:
+        # What Ray does for a new local cluster anyway (token auth, a token generated in
+        # ~/.ray/auth_token if none exists), said explicitly: without its warning on every
+        # start, and inherited by our child processes (torchrun ranks).
+        _token_mode()
     ray.init(
         address="local",
         num_cpus=num_cpus or os.cpu_count(),
