@@ -42,32 +42,17 @@ STARTING, RUNNING, PAUSED, FINISHED, FAILED, STOPPING = (
 
 
 @dataclass(frozen=True)
-class Hello:
-    """A rank joins: the first `Hello` declares the world size (`world_size` ranks)."""
-
-    rank: int
-    world_size: int
-
-
-@dataclass(frozen=True)
 class Welcome:
-    """The answer to `Hello`: the step this rank pulls first."""
+    """The answer to `hello(rank, world_size, state)` (the first hello declares the world):
+    the step this rank pulls first, and the world size the service serves."""
 
     step: int
     world_size: int
-
-
-@dataclass(frozen=True)
-class StepRequest:
-    rank: int
-    world_size: int
-    step: int
-    wait_s: float = POLL_S
 
 
 @dataclass(frozen=True)
 class StepReply:
-    """`ready`: `refs` holds one ObjectRef to the rank's Arrow slice (wrapped in a list, so
+    """The answer to `get(rank, world_size, step, wait_s)`. `ready`: `refs` holds one ObjectRef to the rank's Arrow slice (wrapped in a list, so
     Ray hands the caller the reference, not the value). `end`: the data has ended. `wait`:
     not produced yet; `reason` says why (`producing`, `paused`, or the ranks it waits for)."""
 

@@ -38,7 +38,6 @@ from service.protocol import (
 from service.telemetry import Telemetry
 from service.window import StepWindow
 
-SERVER_NAME = "tokenmill"
 _DEFAULT = object()
 
 

@@ -14,10 +14,9 @@ import zlib
 import pytest
 
 from pipeline.config import ConfigError, parse_config
-from pipeline.feed import Feed
 from pipeline.sources import _jsonl_pieces, list_mds_shards, read_piece
 from pipeline.stats import length_stats, scan
-from tests.helpers import reassemble, rows_of
+from tests.test_hostile import _run
 
 GOOD = "good record number {}"
 
@@ -25,14 +24,6 @@ GOOD = "good record number {}"
 def _cfg(paths, on_error="skip", stream=None, **extra):
     return parse_config({"seq_len": 128, "global_batch_size": 2, "on_error": on_error,
                          "streams": {"h": {"paths": paths, **(stream or {})}}, **extra})  # fmt: skip
-
-
-def _run(cfg):
-    feed = Feed(cfg, local=True)
-    rows = []
-    while (b := feed.next_step()) is not None:
-        rows += list(rows_of(b))
-    return feed, reassemble(rows)
 
 
 def _expect(tokenizer, text):
