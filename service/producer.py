@@ -37,6 +37,10 @@ class Producer:
         self.error: str | None = None
         self.paused = False
         self.busy = False  # inside feed.next_step(): that step's weights are fixed
+        # The first step whose production has not begun: where a weight change takes effect.
+        # Changed only under the lock and never backwards, even when the step being made
+        # turns out to be past the end of the data.
+        self.first_open = feed.step
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="tokenmill-producer", daemon=True)
 
@@ -74,6 +78,7 @@ class Producer:
                         return
                     self.state = RUNNING
                     self.busy = True
+                    self.first_open = self.window.produced + 1
                 batch = self.feed.next_step()
                 with self.cond:
                     self.busy = False

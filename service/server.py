@@ -220,10 +220,10 @@ class BatchServer:
                 f"(streams: {', '.join(self.cfg.streams)})"
             )
         with self._cond:
-            # The first step whose production has not begun. Both terms change only under
-            # this lock (feed.step moves inside next_step, outside it), so concurrent calls
-            # agree and the schedule never goes backwards.
-            step = self.feed.set_weights(weights, self.window.produced + int(self.producer.busy))
+            # The first step whose production has not begun; it changes only under this lock
+            # (feed.step moves inside next_step, outside it), so concurrent calls agree and
+            # the schedule never goes backwards, also across the end of the data.
+            step = self.feed.set_weights(weights, self.producer.first_open)
             self._sample(force=True)
             return step
 

@@ -70,6 +70,12 @@ def test_concurrent_weight_changes_while_ranks_pull_are_all_accepted(client, ser
     stop.set()
     puller.join(timeout=60)
     assert not errors and len(answers) == 120
+    step = server.window.ranks[0].next  # where the puller stopped
+    while take(server, 0, 1, step, 30) is not None:  # to the end of the data
+        step += 1
+    for _ in range(3):  # after the end, too (the step begun past it counts as begun)
+        r = client.put("/v1/mixture", json={"weights": {"web": 1, "code": 2}}, headers=AUTH)
+        assert r.status_code == 200, r.text
     steps = [c["step"] for c in client.get("/v1/mixture").json()["history"]]
     assert steps == sorted(steps), "the schedule never goes backwards"
 

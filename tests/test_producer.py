@@ -69,6 +69,9 @@ def test_the_end_of_the_data_finishes(parts):
                 cond.notify_all()
         time.sleep(0.01)
     assert step == window.produced > 3
+    # The step after the last one was begun (and found no data): weights changed now take
+    # effect after it, never at a step before one already handed out.
+    assert producer.first_open == window.produced + 1
 
 
 def test_an_error_in_the_feed_is_kept_for_the_consumers(parts):
