@@ -172,9 +172,6 @@ class BatchServer:
         ]
         return f"waiting for rank(s) {slow} (prefetch window of {self.prefetch} steps is full)"
 
-    def first_step(self) -> int:
-        return self.window.start
-
     def report_wait(self, rank: int, seconds: float) -> None:
         self.telemetry.report_wait(rank, seconds)
 

@@ -102,7 +102,7 @@ def test_put_mixture_takes_effect_at_the_stated_step(client, server):
     assert hist[-1] == {"step": step, "weights": {"web": 0.0, "code": 1.0}, "source": "api"}
     # the steps from `step` on carry only the code stream (rank 0 of 1 takes every step up to
     # it: a step is held, and the producer runs ahead, only as far as the ranks allow)
-    for s in range(server.first_step(), step + 1):
+    for s in range(server.status()["first_step"], step + 1):
         ref = take(server, 0, 1, s)
     import ray
 
