@@ -8,6 +8,7 @@ error raised (`on_error: fail`) or the rejects written (`skip`) are the same on 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -154,6 +155,7 @@ class StreamDocs:
         # Rejects at read positions before this mark were reported before a resume.
         self.reported = reported or (-1, -1, -1)
         self.read_mark = self.reported
+        self.first_block_at: float | None = None  # time.monotonic() of the first block in
 
     def start(self) -> None:
         """Begin reading now (the Ray executor starts work on construction)."""
@@ -258,6 +260,7 @@ class StreamDocs:
         c = self.counters
         unit, row = unit0, 0
         for block in self._blocks(epoch, unit0):
+            self.first_block_at = self.first_block_at or time.monotonic()
             for batch in block.to_batches():
                 units = batch.column("unit").to_numpy()
                 ids = batch.column("doc_id").to_numpy()

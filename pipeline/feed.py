@@ -79,7 +79,6 @@ class Feed:
         self.docs_emitted = np.zeros(len(self.names), dtype=np.int64)
         self.started = time.monotonic()
         self.first_step_at: float | None = None
-        self.first_step_tokens = 0
         self.finished = False
         if state is not None:
             self._restore(state, allow_config_change)
@@ -165,7 +164,6 @@ class Feed:
         self.step += 1
         if self.first_step_at is None:
             self.first_step_at = time.monotonic()
-            self.first_step_tokens = self.real_tokens
         return batch
 
     def set_weights(self, weights: dict[str, float], effective_step: int | None = None) -> int:
@@ -188,8 +186,7 @@ class Feed:
         L = self.cfg.seq_len
         target = self.mixer.scheduled_weights(max(self.step - 1, 0))
         realized = self.mixer.realized()
-        steady_s = (now - self.first_step_at) if self.first_step_at else 0.0
-        steady_tokens = self.real_tokens - self.first_step_tokens
+        arrivals = [s.first_block_at for s in self.streams if s.first_block_at is not None]
         streams = {}
         for i, (name, s) in enumerate(zip(self.names, self.streams, strict=True)):
             c, p = s.counters, self.packer.counters[i]
@@ -227,7 +224,9 @@ class Feed:
             "time_to_first_step_s": (self.first_step_at - self.started)
             if self.first_step_at
             else None,
-            "tokens_per_s": steady_tokens / steady_s if steady_s > 0 else 0.0,
+            # When the first tokenized block reached the feed (time.monotonic()); the export's
+            # steady rate is measured from here (service/export.py `_timings`).
+            "first_block_at": min(arrivals) if arrivals else None,
             # Which tokenizer backend produced the tokens read (`hf_fallback`: batches whose
             # verification sample disagreed with the fast backend, re-encoded by HF).
             "tokenizer_backend": {

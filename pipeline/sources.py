@@ -631,6 +631,8 @@ def _read_export(piece: Piece):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from pipeline.exports import expand_table
+
     f = _open_or_fail(piece.path)
     with f:
         try:
@@ -638,14 +640,17 @@ def _read_export(piece: Piece):
                 table = pa.ipc.open_file(pa.BufferReader(f.read())).read_all()
             else:
                 table = pq.read_table(f)
-            need = ["input_ids", "labels", "seq_lens", "stream", "doc_id", "doc_offset"]
+            need = ["input_ids", "seq_lens", "stream", "doc_id", "doc_offset"]
             missing = [c for c in need if c not in table.column_names]
             if missing:
                 raise _PieceError(f"not a tokenmill export step file: no column {missing[0]!r}")
-            ids = table.column("input_ids").combine_chunks()
+            table = expand_table(table)  # either layout (pipeline/exports.py)
+            if "labels" not in table.schema.names:
+                raise _PieceError("not a tokenmill export step file: no column 'labels'")
+            ids = table.column("input_ids")
             L = ids.type.list_size
             ids = ids.values.to_numpy().reshape(-1, L)
-            labels = table.column("labels").combine_chunks().values.to_numpy().reshape(-1, L)
+            labels = table.column("labels").values.to_numpy().reshape(-1, L)
             lens = table.column("seq_lens").to_pylist()
             docs = table.column("doc_id").to_pylist()
             streams = table.column("stream").to_pylist()

@@ -34,11 +34,18 @@ def _progress(every_s: float = 5.0):
 def _print_summary(s: dict) -> None:
     print(f"steps            {s['steps_written']}  (rows {s['rows']}, seq_len {s['seq_len']})")
     print(f"tokens           {s['real_tokens']:,}")
+    ttfs = s["time_to_first_step_s"]
     print(
-        f"tokens/s         {s['tokens_per_s']:,.0f}  (steady state; first step after {s['time_to_first_step_s'] or 0:.1f}s)"
+        f"wall             {s['wall_s']:.1f}s from process start "
+        f"(start-up {s['startup_s']:.1f}s, first step at "
+        + ("-" if ttfs is None else f"{ttfs:.1f}s")
+        + ")"
+    )
+    print(
+        f"tokens/s         {s['tokens_per_s']:,.0f} end to end; "
+        f"{s['steady_tokens_per_s']:,.0f} steady (first block in to last step)"
     )
     print(f"packing          {100 * s['packing_efficiency']:.2f}% real tokens")
-    print(f"elapsed          {s['elapsed_s']:.1f}s")
     used = {k: v for k, v in s.get("tokenizer_backend", {}).items() if v}
     if used:
         total = sum(used.values())
@@ -73,7 +80,7 @@ def cmd_export(args) -> int:
     summary = run_export(
         cfg, args.out, steps=args.steps, world_size=args.world_size, fmt=args.format,
         local=args.local, progress=_progress(), state_every=args.state_every or 0,
-        resume=resume, allow_config_change=args.allow_config_change,
+        resume=resume, allow_config_change=args.allow_config_change, layout=args.layout,
     )  # fmt: skip
     _print_summary(summary)
     print(
@@ -218,7 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True)
     e.add_argument("--steps", type=int, default=None, help="global steps to write (default: all)")
     e.add_argument("--world-size", type=int, default=1)
-    e.add_argument("--format", choices=["parquet", "arrow", "mds"], default="parquet")
+    e.add_argument(
+        "--format",
+        choices=["parquet", "arrow", "mds"],
+        default="parquet",
+        help="step files: parquet, arrow (IPC), or one MDS dataset (default parquet)",
+    )
+    e.add_argument(
+        "--layout",
+        choices=["compact", "full"],
+        default="compact",
+        help="compact: no columns that seq_lens and input_ids determine (position_ids, "
+        "segment_ids, and labels unless a stream masks tokens), expanded on read; "
+        "full: every column as served (default compact)",
+    )
     e.add_argument("--address", default=None, help=ADDRESS_HELP)
     e.add_argument(
         "--state-every", type=int, default=0, help="write DIR/state-N.json every K steps"

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import Config
+from pipeline.exports import LAYOUTS, compact
 from pipeline.feed import FeedActor, next_steps, rank_slice
 from pipeline.states import check_state
 
@@ -74,6 +75,21 @@ class _MdsSink:
         self.writer.finish()
 
 
+def process_started() -> float:
+    """This process's start on the `time.monotonic()` clock (Linux: /proc; else: now).
+
+    Every headline figure of an export counts from here, so imports and Ray's start-up are in
+    it, as they are in the wall time a user measures."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # start, in ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.monotonic() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+
+
 def _write(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     if fmt == "parquet":
@@ -113,52 +129,56 @@ def run_export(
     state_every: int = 0,
     resume: dict | None = None,
     allow_config_change: bool = False,
+    layout: str = "compact",
+    started: float | None = None,
 ) -> dict:
     """Export up to `steps` global steps (all the data when None); return the summary.
 
     With `state_every` K, ``DIR/state-00000012.json`` is written whenever 12 steps (a multiple
     of K) are done: resuming from it continues with step 12. With `resume`, the run continues
-    from such a state and step numbers carry on from it.
+    from such a state and step numbers carry on from it. `layout` is `compact` or `full`
+    (pipeline/exports.py). `started` is when the clock of the headline figures starts
+    (`time.monotonic()`); by default this process's start.
     """
     if cfg.global_batch_size % world_size:
         raise ValueError(
             f"--world-size {world_size} does not divide global_batch_size {cfg.global_batch_size}"
         )
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    started = process_started() if started is None else started
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
+    begun = time.monotonic()
     if resume is not None:  # fail here, with a clear message, not inside the actor
         check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change)
     feed = _LocalFeed(cfg, resume, allow_config_change, state_every, ray=not local)
-    written = 0
-    tokens = 0
-    first_at = None
-    first_tokens = 0
+    # Every file of an export has the same columns: labels are kept when a stream can mask.
+    keep_labels = any(s.kind == "chat" for s in cfg.streams.values())
+    written = tokens = rejects_n = 0
+    first_at = last_at = None
     rejects_path = out / "rejects.jsonl"
-    rejects_n = 0
     mds = _MdsSink(out) if fmt == "mds" else None
     try:
         with open(rejects_path, "w") as rejects:
             while steps is None or written < steps:
                 want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - written)
-                after = (
-                    STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - written - want)
-                )
-                batches = feed.next_steps(want, prefetch=after)
+                batches = feed.next_steps(want)
                 for batch, state in batches:
                     step = int(batch.schema.metadata[b"global_step"])
                     if mds is not None:
                         mds.write(batch)
+                    stored = batch if layout == "full" or mds else compact(batch, keep_labels)
                     for r in range(world_size if mds is None else 0):
-                        part = rank_slice(batch, r, world_size, cfg.global_batch_size)
+                        part = rank_slice(stored, r, world_size, cfg.global_batch_size)
                         _write(part, step_path(out, step, r, fmt), fmt)
                     if state is not None:
                         path = out / f"state-{state['step']:08d}.json"
                         path.write_text(json.dumps(state, separators=(",", ":")) + "\n")
                     tokens += int(pc.sum(pc.list_flatten(batch.column("seq_lens"))).as_py() or 0)
                     written += 1
-                    if first_at is None:
-                        first_at, first_tokens = time.monotonic(), tokens
+                    last_at = time.monotonic()
+                    first_at = first_at or last_at
                 for rej in feed.drain_rejects():
                     rejects.write(json.dumps(rej) + "\n")
                     rejects_n += 1
@@ -171,19 +191,40 @@ def run_export(
         if mds is not None:
             mds.close()
         feed.close()
-    elapsed = time.monotonic() - started
-    steady = time.monotonic() - first_at if first_at else 0.0
     summary.update(
-        {
-            "steps_written": written,
-            "world_size": world_size,
-            "format": fmt,
-            "elapsed_s": elapsed,
-            "time_to_first_step_s": (first_at - started) if first_at else None,
-            "tokens_per_s": (tokens - first_tokens) / steady if steady > 0 else 0.0,
-            "rejects_file": str(rejects_path),
-            "rejects_written": rejects_n,
-        }
+        _timings(summary, started, begun, first_at, last_at, tokens),
+        steps_written=written,
+        world_size=world_size,
+        format=fmt,
+        layout=layout if mds is None else "mds",
+        rejects_file=str(rejects_path),
+        rejects_written=rejects_n,
     )
     (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    summary["wall_s"] = time.monotonic() - started  # the figure printed includes the summary
     return summary
+
+
+def _timings(summary, started, begun, first_at, last_at, tokens) -> dict:
+    """The run's headline figures, all on one clock from `started` (see process_started).
+
+    - `wall_s`: process start to the last file written;
+    - `time_to_first_step_s`: process start to the first step's files written;
+    - `tokens_per_s`: real tokens / `wall_s` (end to end: imports, Ray start, everything);
+    - `steady_tokens_per_s`: real tokens / (last step - first tokenized block in). The window
+      opens when the workers' first output arrives, so it spans their whole production: no
+      drain of an already-filled prefetch queue can inflate it;
+    - `startup_s`: process start to the export's own start (imports, Ray start or connect).
+    """
+    end = last_at or time.monotonic()
+    first_block = summary.pop("first_block_at", None) or first_at or end
+    produce = end - first_block
+    return {
+        "wall_s": time.monotonic() - started,
+        "startup_s": begun - started,
+        "time_to_first_step_s": (first_at - started) if first_at else None,
+        "time_to_first_block_s": first_block - started,
+        "tokens_per_s": tokens / max(end - started, 1e-9),
+        "steady_tokens_per_s": tokens / produce if produce > 0 else 0.0,
+        "elapsed_s": end - begun,
+    }

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError, parse_config
+from pipeline.exports import read_step
 from service.export import run_export
 from tests.conftest import stdlib_texts, write_jsonl
 
@@ -36,7 +36,7 @@ def _rows(out):
     cols = ["input_ids", "labels", "position_ids", "segment_ids", "seq_lens"]
     rows = []
     for f in sorted(out.glob("step-*.parquet")):
-        t = pq.read_table(f, columns=cols)
+        t = read_step(f).select(cols)
         for r in range(t.num_rows):
             rows.append({c: t.column(c)[r].as_py() for c in cols})
     return rows

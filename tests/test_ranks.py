@@ -11,11 +11,11 @@ import time
 import urllib.request
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import ray
 
 from pipeline.config import parse_config
+from pipeline.exports import read_step
 from service.export import run_export
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
@@ -85,7 +85,7 @@ def exported(cfg, tmp_path, steps, world):
     rows = {}
     for r in range(world):
         for s in range(steps):
-            t = pq.read_table(out / f"step-{s:08d}-rank-{r}.parquet")
+            t = read_step(out / f"step-{s:08d}-rank-{r}.parquet")
             ids = np.array(t.column("input_ids").to_pylist())
             labels = np.array(t.column("labels").to_pylist())
             rows[(s, r)] = (ids, labels)

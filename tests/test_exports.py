@@ -1,0 +1,92 @@
+"""The compact export layout expands to exactly the served batch; the headline figures hold
+together (issue 15: honest figures from process start)."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.config import parse_config
+from pipeline.exports import compact, expand, read_step
+from service.export import run_export
+from tests.test_pretokenized import SEQ, _corpus
+
+
+def _config(src, chat: bool, mode: str = "bfd"):
+    streams = {"code": {"paths": [str(src / "code.jsonl")], "weight": 0.6}}
+    if chat:
+        streams["chat"] = {"kind": "chat", "paths": [str(src / "chat.jsonl")], "weight": 0.4}
+    return parse_config(
+        {"seq_len": SEQ, "global_batch_size": 4, "packing": {"mode": mode}, "streams": streams}
+    )
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["pretrain", "chat"])
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_compact_export_expands_to_the_full_export(tmp_path, chat, fmt):
+    cfg = _config(_corpus(tmp_path), chat)
+    full = run_export(cfg, tmp_path / "full", local=True, layout="full", fmt=fmt, world_size=2)
+    small = run_export(cfg, tmp_path / "small", local=True, fmt=fmt, world_size=2)
+    assert small["layout"] == "compact" and full["layout"] == "full"
+    files = sorted(p.name for p in (tmp_path / "full").glob("step-*"))
+    assert files and files == sorted(p.name for p in (tmp_path / "small").glob("step-*"))
+    for name in files:
+        want = read_step(tmp_path / "full" / name)
+        got = read_step(tmp_path / "small" / name)
+        assert got.equals(want, check_metadata=True), name
+        names = pq.read_schema(tmp_path / "small" / name).names if fmt == "parquet" else None
+        if names is not None:
+            assert "position_ids" not in names and "segment_ids" not in names
+            assert ("labels" in names) == chat  # pretrain labels are derived, chat's are kept
+    assert (tmp_path / "small" / files[0]).stat().st_size < (
+        tmp_path / "full" / files[0]
+    ).stat().st_size
+
+
+def test_compact_keeps_labels_that_are_not_the_derived_ones(tmp_path):
+    cfg = _config(_corpus(tmp_path), chat=True)
+    run_export(cfg, tmp_path / "full", local=True, layout="full")
+    masked = [
+        b
+        for p in sorted((tmp_path / "full").glob("step-*"))
+        for b in [read_step(p)]
+        if "chat" in b.column("stream").flatten().dictionary.to_pylist()
+    ]
+    assert masked
+    for batch in masked:  # a writer that guessed "no masking" still keeps chat's labels
+        small = compact(batch, keep_labels=False)
+        assert expand(small).equals(batch, check_metadata=True)
+        part = batch.slice(1, 2)  # a rank's rows: a slice with an offset
+        assert expand(compact(part, keep_labels=False)).equals(part, check_metadata=True)
+
+
+def test_export_figures_count_from_process_start_and_hold_together(tmp_path):
+    cfg = _config(_corpus(tmp_path), chat=False, mode="concat")
+    s = run_export(cfg, tmp_path / "o", local=True)
+    on_disk = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert 0 < on_disk["startup_s"] <= on_disk["time_to_first_step_s"] <= on_disk["wall_s"]
+    assert on_disk["time_to_first_block_s"] <= on_disk["time_to_first_step_s"]
+    assert on_disk["wall_s"] <= s["wall_s"]
+    assert on_disk["tokens_per_s"] == pytest.approx(
+        s["real_tokens"] / (on_disk["startup_s"] + on_disk["elapsed_s"]), rel=1e-6
+    )
+    # The steady window is inside the run, so its rate can only be the higher one.
+    assert on_disk["steady_tokens_per_s"] >= on_disk["tokens_per_s"] > 0
+
+
+def test_an_unknown_layout_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="layout 'tiny'"):
+        run_export(_config(_corpus(tmp_path), False), tmp_path / "o", local=True, layout="tiny")
+
+
+def test_full_layout_schema_is_the_batch_schema(tmp_path):
+    from pipeline.schema import batch_schema
+
+    cfg = _config(_corpus(tmp_path), chat=True)
+    run_export(cfg, tmp_path / "o", local=True, layout="full", steps=1)
+    t = pq.read_table(next((tmp_path / "o").glob("step-*")))
+    assert t.schema.remove_metadata().equals(batch_schema(SEQ))
+    assert isinstance(t, pa.Table)
