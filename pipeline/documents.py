@@ -15,12 +15,10 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pyarrow as pa
 
-from pipeline.config import Config, StreamConfig
-from pipeline.reading import Unit, group_units
+from pipeline.config import Config
+from pipeline.reading import Executor, Unit, group_units
 from pipeline.shuffle import file_order, window_permutation
 from pipeline.sources import WHOLE_FILE, Piece, list_mds_shards, plan_pieces
-
-Executor = Callable[[list[Unit], StreamConfig, object], Iterator[pa.Table]]
 
 
 class BadRecordError(ValueError):
@@ -132,10 +130,12 @@ class StreamDocs:
         on_reject: Callable[[Reject], None] | None = None,
         start: Cursor | None = None,
         reported: tuple[int, int, int] | None = None,
+        first_executor: Executor | None = None,
     ):
         self.name, self.index, self.cfg = name, index, cfg
         self.stream = cfg.streams[name]
         self.executor = executor
+        self.first_executor = first_executor or executor  # the read `start()` begins
         self.on_reject = on_reject
         self.counters = StreamCounters()
         self._pieces: list[list[Piece]] | None = None
@@ -161,7 +161,7 @@ class StreamDocs:
         """Begin reading now (the Ray executor starts work on construction)."""
         if self._early is None:
             c = self.start_cursor
-            self._early = self.executor(
+            self._early = self.first_executor(
                 self.units(c.epoch)[c.unit :], self.stream, self.cfg.tokenizer
             )
 

@@ -5,8 +5,7 @@
         -> global step s = G rows, an Arrow record batch
         -> rank r of W gets rows [r*G/W, (r+1)*G/W) of step s
 
-The global sequence never depends on the world size; only the slicing does. `FeedActor`
-hosts a Feed in a Ray actor (no CPU reserved: the expensive work runs in Ray Data tasks).
+The global sequence never depends on the world size; only the slicing does.
 """
 
 from __future__ import annotations
@@ -21,19 +20,22 @@ from pipeline.config import Config
 from pipeline.documents import Cursor, Reject, StreamDocs
 from pipeline.mixing import DeficitMixer
 from pipeline.packing import make_packer
+from pipeline.reading import Executor, iter_blocks_local, iter_blocks_ray, with_head_start
 from pipeline.schema import build_batch, with_metadata
 from pipeline.states import STATE_VERSION, check_state, seal
 from pipeline.stats import describe_lengths
 from pipeline.tokenization import BACKEND_NAMES, load_tokenizer
 
 
-def default_executor(local: bool):
-    from pipeline.reading import iter_blocks_local, iter_blocks_ray
-
+def default_executor(local: bool) -> Executor:
     return iter_blocks_local if local else iter_blocks_ray
 
 
 class Feed:
+    """The global step sequence of a config. `executor` reads and tokenizes (default: Ray
+    Data, or in-process with `local`); `head_start` has the first read of each stream begin
+    in this process while the executor starts (reading.with_head_start)."""
+
     def __init__(
         self,
         cfg: Config,
@@ -41,6 +43,8 @@ class Feed:
         on_reject: Callable[[Reject], None] | None = None,
         state: dict | None = None,
         allow_config_change: bool = False,
+        executor: Executor | None = None,
+        head_start: bool = False,
     ):
         self.cfg = cfg
         self.names = list(cfg.streams)
@@ -48,7 +52,8 @@ class Feed:
         self.config_hash = cfg.config_hash()
         if state is not None:
             check_state(state, self.config_hash, self.names, allow_config_change)
-        executor = default_executor(local)
+        executor = executor or default_executor(local)
+        first = with_head_start(executor) if head_start else executor
         sink = on_reject or self.rejects.append
         self.streams = []
         for i, n in enumerate(self.names):
@@ -56,7 +61,7 @@ class Feed:
             if state is not None:
                 st = state["streams"][n]
                 start, reported = Cursor.from_json(st["restart"]), tuple(st["reported"])
-            self.streams.append(StreamDocs(n, i, cfg, executor, sink, start, reported))
+            self.streams.append(StreamDocs(n, i, cfg, executor, sink, start, reported, first))
         for s in self.streams:
             s.start()  # every stream's reading begins now, concurrently
         self.mixer = DeficitMixer(self.names, {n: s.weight for n, s in cfg.streams.items()})
@@ -266,47 +271,3 @@ def next_steps(
         state = feed.state() if state_every and feed.step % state_every == 0 else None
         out.append((batch, state))
     return out
-
-
-class FeedActor:
-    """A Feed behind a step interface (steps in groups, states, rejects, summary); export uses
-    it in-process and it can be hosted as a Ray actor as it is."""
-
-    def __init__(
-        self,
-        cfg_json: dict,
-        state: dict | None = None,
-        allow_config_change: bool = False,
-        local: bool = False,
-    ):
-        from pipeline.config import Config
-
-        self.feed = Feed(
-            Config.model_validate(cfg_json),
-            local=local,
-            state=state,
-            allow_config_change=allow_config_change,
-        )
-
-    def ready(self) -> bool:
-        return True
-
-    def next_steps(self, n: int, state_every: int = 0) -> list[tuple[pa.RecordBatch, dict | None]]:
-        return next_steps(self.feed, n, state_every)
-
-    def state(self) -> dict:
-        return self.feed.state()
-
-    def set_weights(self, weights: dict[str, float], effective_step: int | None = None) -> int:
-        return self.feed.set_weights(weights, effective_step)
-
-    def drain_rejects(self) -> list[dict]:
-        out = [r.as_dict() for r in self.feed.rejects]
-        self.feed.rejects.clear()
-        return out
-
-    def summary(self) -> dict:
-        return self.feed.summary()
-
-    def close(self) -> None:
-        self.feed.close()

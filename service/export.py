@@ -7,7 +7,8 @@ batch schema of SPEC §3.2; ``DIR/rejects.jsonl`` lists every skipped record; an
 ahead on background threads, so writing a step overlaps tokenizing the next ones. (It used to
 run in a Ray actor: in-process, the first step of a second export on a warm cluster came after
 1.2 s instead of 3.1 s, and steady throughput rose 4.23M -> 4.78M tokens/s, with no actor to
-start and no batch to ship from it.)
+start and no batch to ship from it.) The CLI connects to Ray on a thread while the feed
+starts, and the first units are tokenized here meanwhile: see docs/performance.md.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +25,8 @@ import pyarrow.parquet as pq
 
 from pipeline.config import Config
 from pipeline.exports import LAYOUTS, compact
-from pipeline.feed import FeedActor, next_steps, rank_slice
+from pipeline.feed import Feed, next_steps, rank_slice
+from pipeline.reading import ray_executor
 from pipeline.states import check_state
 
 STEPS_PER_CALL = 4
@@ -104,20 +107,6 @@ def _write(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
     os.replace(tmp, path)
 
 
-class _LocalFeed(FeedActor):
-    """The feed in this process; tokenizing through Ray Data (`ray=True`) or in-process too
-    (`--local`: no Ray at all)."""
-
-    def __init__(
-        self, cfg: Config, state=None, allow_config_change=False, state_every=0, ray=False
-    ):
-        super().__init__(cfg.model_dump(mode="json"), state, allow_config_change, local=not ray)
-        self.state_every = state_every
-
-    def next_steps(self, n, prefetch=0):
-        return next_steps(self.feed, n, self.state_every)
-
-
 def run_export(
     cfg: Config,
     out: str | Path,
@@ -131,6 +120,7 @@ def run_export(
     allow_config_change: bool = False,
     layout: str = "compact",
     started: float | None = None,
+    ray_ready: Future | None = None,
 ) -> dict:
     """Export up to `steps` global steps (all the data when None); return the summary.
 
@@ -138,7 +128,9 @@ def run_export(
     of K) are done: resuming from it continues with step 12. With `resume`, the run continues
     from such a state and step numbers carry on from it. `layout` is `compact` or `full`
     (pipeline/exports.py). `started` is when the clock of the headline figures starts
-    (`time.monotonic()`); by default this process's start.
+    (`time.monotonic()`); by default this process's start. With `ray_ready`, Ray is still
+    connecting in the background: the first units are tokenized here meanwhile (with Ray
+    too, the first read of each stream gets a head start: reading.with_head_start).
     """
     if cfg.global_batch_size % world_size:
         raise ValueError(
@@ -152,7 +144,8 @@ def run_export(
     begun = time.monotonic()
     if resume is not None:  # fail here, with a clear message, not inside the actor
         check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change)
-    feed = _LocalFeed(cfg, resume, allow_config_change, state_every, ray=not local)
+    executor = None if local else ray_executor(ray_ready)
+    feed = Feed(cfg, local, None, resume, allow_config_change, executor, head_start=not local)
     # Every file of an export has the same columns: labels are kept when a stream can mask.
     keep_labels = any(s.kind == "chat" for s in cfg.streams.values())
     written = tokens = rejects_n = 0
@@ -163,7 +156,7 @@ def run_export(
         with open(rejects_path, "w") as rejects:
             while steps is None or written < steps:
                 want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - written)
-                batches = feed.next_steps(want)
+                batches = next_steps(feed, want, state_every)
                 for batch, state in batches:
                     step = int(batch.schema.metadata[b"global_step"])
                     if mds is not None:
@@ -179,9 +172,10 @@ def run_export(
                     written += 1
                     last_at = time.monotonic()
                     first_at = first_at or last_at
-                for rej in feed.drain_rejects():
-                    rejects.write(json.dumps(rej) + "\n")
-                    rejects_n += 1
+                for rej in feed.rejects:
+                    rejects.write(json.dumps(rej.as_dict()) + "\n")
+                rejects_n += len(feed.rejects)
+                feed.rejects.clear()
                 if progress:
                     progress(written, tokens, time.monotonic() - started)
                 if len(batches) < want:

@@ -90,3 +90,34 @@ def test_full_layout_schema_is_the_batch_schema(tmp_path):
     t = pq.read_table(next((tmp_path / "o").glob("step-*")))
     assert t.schema.remove_metadata().equals(batch_schema(SEQ))
     assert isinstance(t, pa.Table)
+
+
+def test_a_head_start_gives_the_same_blocks_and_closes_both_parts(tmp_path):
+    """The first units tokenized here, the rest by the executor: the same blocks in order."""
+    from pipeline.feed import Feed
+    from pipeline.reading import head_units, iter_blocks_local, with_head_start
+
+    cfg = parse_config(
+        {
+            "seq_len": SEQ,
+            "read": {"first_block_bytes": 4096, "block_bytes": 8192},
+            "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}},
+        }
+    )
+    units = Feed(cfg, local=True).streams[0].units(0)
+    size = [sum(p.nbytes for p in u.pieces) for u in units]
+    two = size[0] + size[1]
+    assert len(units) > 3 and head_units(units, two) == 2 and head_units(units, 1) == 1
+    stream = cfg.streams["code"]
+    plain = list(iter_blocks_local(units, stream, cfg.tokenizer))
+    calls = []
+
+    def executor(us, st, tok):
+        calls.append([u.index for u in us])
+        return iter_blocks_local(us, st, tok)
+
+    chained = with_head_start(executor, head_bytes=two)(units, stream, cfg.tokenizer)
+    got = list(chained)
+    assert calls == [[u.index for u in units[2:]]]  # the executor never saw the head
+    assert len(got) == len(plain) and all(a.equals(b) for a, b in zip(got, plain, strict=True))
+    chained.close()  # idempotent after the end, and closes the head's thread
