@@ -1,0 +1,548 @@
+"""Serving: what the batch service delivers to 8 simulated trainer ranks, against the export.
+
+    python -m bench.serve_ranks [--quick] [--json PATH] [--config PATH] [--threads]
+
+SPEC §4 "serving": 8 ranks that consume without a model receive >= 0.85 x the export's
+steady rate; p99 `next(feed)` reported. One run, on one private local Ray (object store
+capped at 512 MiB), over one config (default: the demo corpus's pretraining stream, seq_len
+2048, global batch 32, i.e. 4 rows of 2048 per rank and step):
+
+1. warm-up: one feed to its first step (Ray's workers up, the tokenizer loaded);
+2. export: `service.export.run_export` in this process for N steps (world size 1, Parquet,
+   as bench.throughput runs it);
+3. serve: the batch-server actor (`service.serve.start_server`) and 8 ranks, each calling
+   `next(feed)` on `trainer.feed.Feed.connect(..., rank=r, world_size=8)` as fast as it can
+   for the same N steps (the same global sequence the export wrote).
+
+Rates, each defined the same way for both: real tokens (sum of seq_lens) of the steps after
+step k over the time from step k done to the last step done; a served step is done when its
+last rank holds it; the export reports progress every few steps, so k is the last step of
+one of its reports.
+- headline, "steady": k about N/2. The reads are 8 MiB blocks (~35 steps of 32 x 2048
+  here), tokenized ahead while the first step waits, so the steps right after the first are
+  packed from memory and the start-up is still in flight; by mid-run both pipelines run at
+  their sustained pace. Ratio = served / export, the bar >= 0.85; the GPUs-fed figures use
+  the served steady rate.
+- "after step 3" (the export's first report): the export's own "first step to last". On a
+  short run it mostly measures packing blocks already tokenized (a quick run once gave the
+  export "9M tokens/s" over the 36 steps after step 3, done in 0.26 s).
+- "from the feed's start": all N steps over the time from the feed's construction (the
+  export's call; the actor's `__init__`, from its `uptime_s`, so starting the actor's
+  process is not counted) to the last step: start-up included.
+The service's k is later if it had produced step k before all ranks said hello (reported as
+`produced_before_all_connected`; the ranks ask for the actor before it exists, since
+`Feed.connect` waits for it, so normally 0). `--quick` runs 40 steps: a smoke test, whose
+"steady" half is 20 steps, within one or two read blocks, so not a steady figure.
+Also: p50/p99/max `next(feed)` latency (steps after each rank's first), step 0's, and how
+many GPUs consuming 10k / 50k tokens/s each that keeps fed. A sampler records CPU seconds
+per global step of the export's driver (this process), the server actor and the ranks, and
+the machine's busy fraction (other users included), over the steady windows: on few cores
+they say where the time goes.
+
+Ranks are processes by default, one Python process (one Ray driver) per rank, as torchrun
+starts them on a trainer node: each rank pays its own actor calls, object fetches and
+Arrow -> torch copy, with no GIL shared between ranks. On a 2-core machine these 8
+processes share the cores with the producer's tokenization; a trainer node's data path does
+too (with more cores). They are started first (importing Ray and torch while this process
+starts Ray), join the cluster before either measurement, and sit idle (blocked on a pipe)
+during the export, so both measurements run with the same processes alive. `--threads` runs
+the 8 ranks as threads of this process instead (one Ray driver, one GIL: less CPU on few
+cores, less like a real node). The absolute figures are this machine's; the ratio is the bar.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+WORLD = 8
+GOAL = 0.85
+GPU_RATES = (10_000, 50_000)
+OBJECT_STORE_BYTES = 512 << 20
+
+
+def bench_config(corpus: Path, seq_len: int, global_batch: int) -> dict:
+    """A pretraining stream over the demo corpus's module sources, read as often as needed."""
+    return {
+        "seed": 1234,
+        "seq_len": seq_len,
+        "global_batch_size": global_batch,
+        "shuffle": {"window": 64},
+        "streams": {"code": {"paths": [str(corpus / "code.jsonl")], "repeat": 1000}},
+    }
+
+
+def _cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (all its threads), or of `pid` (/proc)."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- one rank -----------------------------------------------------------------------------
+
+
+def pull(service: str, rank: int, world: int, steps: int, address: str | None = None) -> dict:
+    """Connect as `rank` of `world` and take `steps` batches as fast as possible.
+
+    Returns {"steps": [[global_step, t_done, latency_s, real_tokens, cpu_s], ...]}: times on
+    time.monotonic (one clock for every process of this machine), cpu_s this process's."""
+    from trainer.feed import Feed
+
+    feed = Feed.connect(service=service, rank=rank, world_size=world, address=address,
+                        timeout_s=120)  # fmt: skip
+    out = []
+    for _ in range(steps):
+        t = time.monotonic()
+        batch = next(feed, None)
+        done = time.monotonic()
+        if batch is None:
+            break
+        tokens = sum(sum(lens) for lens in batch["seq_lens"])
+        out.append([batch["global_step"], done, done - t, tokens, _cpu_s()])
+    feed.close()
+    return {"rank": rank, "steps": out}
+
+
+def _rank_process(argv: list[str]) -> int:
+    """`python -m bench.serve_ranks --_rank SERVICE RANK WORLD STEPS OUT`: import Ray, torch
+    and the feed; read the cluster's address from stdin, join it, print `ready`; on `go`,
+    pull and write OUT (JSON)."""
+    service, rank, world, steps, out = argv
+    import ray  # noqa: F401
+    import torch  # noqa: F401  (the feed's Arrow -> torch copy would import it on step 0)
+
+    import trainer.feed  # noqa: F401
+    from service.cluster import client_address, connect
+
+    gcs = sys.stdin.readline().strip()
+    if not gcs:  # the run ended before it started Ray: never join another cluster
+        return 1
+    connect(client_address(gcs))
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return 1
+    result = pull(service, int(rank), int(world), int(steps), address=gcs)
+    tmp = Path(out + ".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.rename(out)  # the run goes on when every file is there
+    # Leave at once: a Ray driver's orderly exit costs seconds of CPU per rank, and the
+    # cluster, whose GCS notices the closed connection, is shut down right after.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class RankProcesses:
+    """WORLD rank processes, idle until `go()`; killed by pid if they outlive the run."""
+
+    def __init__(self, service: str, steps: int, work: Path):
+        env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENMILL_RAY_LOGS": "0"}
+        self.outs = [work / f"rank-{r}.json" for r in range(WORLD)]
+        self.logs = [work / f"rank-{r}.log" for r in range(WORLD)]
+        self.procs = []
+        for r in range(WORLD):
+            with open(self.logs[r], "w") as log:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "bench.serve_ranks", "--_rank", service, str(r),
+                     str(WORLD), str(steps), str(self.outs[r])],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
+                ))  # fmt: skip
+
+    def join(self, gcs: str) -> None:
+        self._say(gcs)
+
+    def wait_ready(self) -> None:
+        for r, p in enumerate(self.procs):
+            if p.stdout.readline().strip() != "ready":  # a rank that died reads "" (EOF)
+                raise RuntimeError(f"rank {r} did not start: {self._tail(r)}")
+
+    def go(self) -> None:
+        self._say("go")
+
+    def _say(self, line: str) -> None:
+        for p in self.procs:
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+    def results(self, timeout_s: float) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        for r, (p, out) in enumerate(zip(self.procs, self.outs, strict=True)):
+            while not out.exists():
+                if p.poll() is not None:
+                    raise RuntimeError(f"rank {r} failed ({p.returncode}): {self._tail(r)}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {r} did not finish: {self._tail(r)}")
+                time.sleep(0.05)
+        return [json.loads(o.read_text()) for o in self.outs]
+
+    def _tail(self, r: int) -> str:
+        return self.logs[r].read_text()[-2000:]
+
+    def close(self, timeout_s: float = 30) -> None:
+        """Let the ranks leave Ray (they exit after their results), kill any left (by pid)."""
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                p.stdin.close()  # a rank still waiting for its address or `go` reads EOF
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+class RankThreads:
+    """WORLD ranks as threads of this process (already a Ray driver)."""
+
+    def __init__(self, service: str, steps: int):
+        self.service, self.steps = service, steps
+        self.got: dict[int, dict] = {}
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(r,), daemon=True)
+                        for r in range(WORLD)]  # fmt: skip
+
+    def _run(self, r: int) -> None:
+        try:
+            self.got[r] = pull(self.service, r, WORLD, self.steps)
+        except Exception as e:
+            self.errors.append(f"rank {r}: {type(e).__name__}: {e}")
+
+    def join(self, gcs: str) -> None:
+        pass
+
+    def wait_ready(self) -> None:
+        import torch  # noqa: F401
+
+        import trainer.feed  # noqa: F401
+
+    def go(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def results(self, timeout_s: float) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        for t in self.threads:
+            t.join(timeout=max(1.0, deadline - time.monotonic()))
+        if self.errors or len(self.got) < WORLD:
+            raise RuntimeError("; ".join(self.errors) or "ranks did not finish")
+        return [self.got[r] for r in range(WORLD)]
+
+    def close(self, timeout_s: float = 30) -> None:
+        pass
+
+
+# -- where the CPU goes -------------------------------------------------------------------
+
+
+def _machine_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, from /proc/stat (other users included)."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
+
+
+class Sampler:
+    """Every 50 ms: (time, machine busy/total jiffies, this process's CPU, the actor's CPU)."""
+
+    def __init__(self):
+        self.samples: list[tuple] = []
+        self.actor_pid: int | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            actor = None
+            if self.actor_pid is not None:
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    actor = _cpu_s(self.actor_pid)
+            self.samples.append((time.monotonic(), *_machine_jiffies(), _cpu_s(), actor))
+            self._stop.wait(0.05)
+
+    def window(self, a: float, b: float) -> dict:
+        """Figures between the samples nearest to times a and b."""
+        times = [s[0] for s in self.samples]
+
+        def at(t):
+            i = min(bisect.bisect_left(times, t), len(times) - 1)
+            return self.samples[i]
+
+        s0, s1 = at(a), at(b)
+        actor = s1[4] - s0[4] if s0[4] is not None and s1[4] is not None else None
+        return {
+            "machine_busy": (s1[1] - s0[1]) / max(1, s1[2] - s0[2]),
+            "this_process_cpu_s": s1[3] - s0[3],
+            "actor_cpu_s": actor,
+        }
+
+
+# -- figures ------------------------------------------------------------------------------
+
+
+def _percentile(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def delivered(results: list[dict], steps: int) -> dict:
+    """What the ranks got, by global step: when it was done (its last rank holds it), its real
+    tokens over all ranks, the ranks' CPU seconds by then (processes), and the latencies."""
+    by_step: dict[int, list] = {}
+    for res in results:
+        for step, done, _, tokens, cpu in res["steps"]:
+            by_step.setdefault(step, []).append((done, tokens, cpu))
+    complete = sorted(s for s, v in by_step.items() if len(v) == WORLD)
+    if complete != list(range(steps)):
+        raise RuntimeError(f"the ranks got {len(complete)} complete steps of {steps}")
+    lat = [x[2] for res in results for x in res["steps"] if x[0] > 0]
+    first_lat = [x[2] for res in results for x in res["steps"] if x[0] == 0]
+    return {
+        "done": [max(x[0] for x in by_step[s]) for s in complete],
+        "tokens": [sum(x[1] for x in by_step[s]) for s in complete],
+        "cpu": [sum(x[2] for x in by_step[s]) for s in complete],
+        "latency_ms": {
+            "n": len(lat),
+            "p50": 1e3 * _percentile(lat, 50),
+            "p90": 1e3 * _percentile(lat, 90),
+            "p99": 1e3 * _percentile(lat, 99),
+            "max": 1e3 * max(lat),
+            "mean": 1e3 * sum(lat) / len(lat),
+            "step0_max": 1e3 * max(first_lat),
+        },
+    }
+
+
+def _table(r: dict) -> str:
+    rates, lat, cpu = r["tokens_per_s"], r["latency_ms"], r["cpu_steady"]
+    ok = "meets" if r["ratio"] >= GOAL else "BELOW"
+    gpus = "   ".join(f"at {k // 1000}k tok/s each: {v:,.1f}" for k, v in r["gpus_fed"].items())
+    labels = {
+        "steady": f"steady, after step {rates['steady']['after_step']}",
+        "first_step": f"after step {rates['first_step']['after_step']} (first report)",
+        "from_start": "from the feed's start",
+    }
+    actor = cpu["served"]["actor_ms_per_step"]
+    rows = [
+        f"serving {WORLD} ranks ({r['ranks_as']}), seq_len {r['seq_len']}, global batch "
+        f"{r['global_batch_size']} ({r['global_batch_size'] // WORLD} rows/rank), "
+        f"{r['steps']} steps, {r['cpus']} CPUs",
+        f"  {'tokens/s to the last step':<34}{'export':>12}{f'served, {WORLD} ranks':>18}{'ratio':>8}",
+    ]
+    for key, label in labels.items():
+        x = rates[key]
+        rows.append(f"  {label:<34}{x['export']:>12,.0f}{x['served']:>18,.0f}{x['ratio']:>8.3f}"
+                    + (f"   ({ok} the goal >= {GOAL})" if key == "steady" else ""))  # fmt: skip
+    rows += [
+        f"  {'next(feed) latency':<34}p50 {lat['p50']:.1f} ms   p99 {lat['p99']:.1f} ms   "
+        f"max {lat['max']:.0f} ms   (step 0: {lat['step0_max']:.0f} ms)",
+        f"  {'GPUs kept fed (steady)':<34}{gpus}",
+        f"  {'CPU ms per step (steady)':<34}export driver {cpu['export']['driver_ms_per_step']:.1f}"
+        f" | server actor {'?' if actor is None else f'{actor:.1f}'}"
+        f" + ranks {cpu['served']['ranks_ms_per_step']:.1f}"
+        f"   (machine busy {100 * cpu['export']['machine_busy']:.0f}% | "
+        f"{100 * cpu['served']['machine_busy']:.0f}%)",
+    ]
+    return "\n".join(rows)
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    t_start = time.monotonic()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_rank"]:
+        return _rank_process(argv[1:])
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--quick", action="store_true", help="a smoke test (40 steps)")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--config", default=None, help="a tokenmill config (default: demo corpus)")
+    ap.add_argument("--steps", type=int, default=None, help="global steps (default 40 / 600)")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--global-batch-size", type=int, default=32)
+    ap.add_argument("--prefetch", type=int, default=8, help="the service's prefetch window")
+    ap.add_argument("--threads", action="store_true", help="ranks as threads of this process")
+    args = ap.parse_args(argv)
+    steps = args.steps or (40 if args.quick else 600)
+    if steps < 12:
+        ap.error("--steps must be at least 12")
+
+    work = Path(tempfile.mkdtemp(prefix="tokenmill-serve-ranks-"))
+    name = f"tokenmill-bench-{os.getpid()}"
+    # Rank processes import Ray and torch while this process starts Ray.
+    ranks = RankThreads(name, steps) if args.threads else RankProcesses(name, steps, work)
+    try:
+        return _run(args, steps, work, name, ranks, t_start)
+    finally:
+        ranks.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
+    import ray
+
+    from bench.resume import warm_up
+    from pipeline.config import load_config, parse_config
+    from service.cluster import connect, shutdown
+    from service.demo_corpus import build_demo_corpus
+    from service.export import run_export
+    from service.serve import _close, start_server
+
+    if args.config:
+        cfg = load_config(args.config)
+    else:
+        cfg = parse_config(bench_config(build_demo_corpus(), args.seq_len, args.global_batch_size))
+    if cfg.global_batch_size % WORLD:
+        raise SystemExit(f"global_batch_size {cfg.global_batch_size} is not divisible by {WORLD}")
+
+    def log(what: str) -> None:
+        print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] {what}", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    log("imports done; starting Ray")
+    started = connect(None, object_store_memory=OBJECT_STORE_BYTES)
+    actor = None
+    try:
+        cpus = int(ray.cluster_resources().get("CPU", 1))
+        ranks.join(ray.get_runtime_context().gcs_address)
+        log("Ray up; warm-up")
+        warm_up(cfg)
+        ranks.wait_ready()
+        with Sampler() as sampler:
+            log("export")
+            reports: list[tuple[float, int, int]] = []  # (time, steps written, real tokens)
+            t_export = time.monotonic()
+            export = run_export(cfg, work / "export", steps=steps,
+                                progress=lambda n, tok, _: reports.append((time.monotonic(), n, tok)))  # fmt: skip
+            shutil.rmtree(work / "export", ignore_errors=True)
+
+            log("serve")
+            ranks.go()  # the ranks wait for the actor: connected before its first step
+            t_go = time.monotonic()
+            actor = start_server(cfg, name=name, prefetch=args.prefetch)
+            t_up = time.monotonic()
+            st = ray.get(actor.status.remote(), timeout=30)
+            t_init = time.monotonic() - st["uptime_s"]  # its __init__ began: the feed's start
+            sampler.actor_pid, t_pid = st["server"]["pid"], time.monotonic()
+            while st["ranks_connected"] < WORLD and time.monotonic() - t_up < 120:
+                time.sleep(0.01)
+                st = ray.get(actor.status.remote(), timeout=30)
+            produced_at_connect = st["global_step"]
+            results = ranks.results(timeout_s=600)
+            metrics = ray.get(actor.metrics.remote(), timeout=30)
+        log("done")
+    finally:
+        if actor is not None:
+            _close(actor)
+        ranks.close()  # before Ray goes
+        log("ranks gone")
+        shutdown(started)
+        log("Ray down")
+
+    if reports[-1][1] != steps:
+        raise RuntimeError(f"the export wrote {reports[-1][1]} steps of {steps}")
+    got = delivered(results, steps)
+    done, tokens = got["done"], got["tokens"]
+    cum = [sum(tokens[: s + 1]) for s in range(steps)]
+    t_end, tok_end = reports[-1][0], reports[-1][2]
+    # Windows open after export step `after` (the last step of one of its progress reports).
+    mid = min(reports[:-1], key=lambda r: abs(r[1] - steps // 2))
+    opens = {"steady": mid, "first_step": reports[0]}
+    rates = {}
+    for label, (t_a, written, tok_a) in opens.items():
+        a = written - 1
+        s_a = max(a, produced_at_connect)  # the ranks were all there when it was produced
+        rates[label] = {
+            "after_step": a,
+            "export": (tok_end - tok_a) / (t_end - t_a),
+            "served": (cum[-1] - cum[s_a]) / (done[-1] - done[s_a]),
+            "served_after_step": s_a,
+        }
+    rates["from_start"] = {
+        "export": tok_end / (t_end - t_export),
+        "served": cum[-1] / (done[-1] - t_init),
+    }
+    for r in rates.values():
+        r["ratio"] = r["served"] / r["export"]
+    rate = rates["steady"]["served"]
+    # CPU over the steady windows, per global step.
+    a, s_a = rates["steady"]["after_step"], rates["steady"]["served_after_step"]
+    n_export, n_served = steps - 1 - a, steps - 1 - s_a
+    cpu_export = sampler.window(mid[0], t_end)
+    cpu_served = sampler.window(max(done[s_a], t_pid), done[-1])
+    ranks_cpu = cpu_served["this_process_cpu_s"] if args.threads else got["cpu"][-1] - got["cpu"][s_a]  # fmt: skip
+    actor_cpu = cpu_served["actor_cpu_s"]
+    result = {
+        "ranks_as": "threads" if args.threads else "processes",
+        "world_size": WORLD,
+        "cpus": cpus,
+        "seq_len": cfg.seq_len,
+        "global_batch_size": cfg.global_batch_size,
+        "steps": steps,
+        "prefetch": args.prefetch,
+        "object_store_bytes": OBJECT_STORE_BYTES,
+        "config": args.config or "demo corpus, code stream (pretrain)",
+        "tokens": tok_end,
+        "tokens_served": cum[-1],
+        "tokens_per_s": rates,
+        "ratio": rates["steady"]["ratio"],
+        "goal": GOAL,
+        "gpus_fed": {g: rate / g for g in GPU_RATES},
+        "latency_ms": got["latency_ms"],
+        "export_summary": {  # its own figures; their definitions are service/export.py's
+            key: export[key]
+            for key in ("tokens_per_s", "steady_tokens_per_s", "time_to_first_step_s")
+            if key in export
+        },
+        # From the feed's start to step `first_step.after_step` done (the export's first report).
+        "time_to_first_report_s": {
+            "export": reports[0][0] - t_export,
+            "served": done[reports[0][1] - 1] - t_init,
+        },
+        "server_start_s": t_up - t_go,  # the actor's process up, before its feed starts
+        "produced_before_all_connected": produced_at_connect,
+        "packing_efficiency": metrics["packing_efficiency"],
+        "cpu_steady": {
+            "export": {
+                "machine_busy": cpu_export["machine_busy"],
+                "driver_ms_per_step": 1e3 * cpu_export["this_process_cpu_s"] / n_export,
+            },
+            "served": {
+                "machine_busy": cpu_served["machine_busy"],
+                "actor_ms_per_step": None if actor_cpu is None else 1e3 * actor_cpu / n_served,
+                "ranks_ms_per_step": 1e3 * ranks_cpu / n_served,
+            },
+        },
+        "wall_s": time.monotonic() - t_start,
+    }
+    print(_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
