@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import itertools
 import json
+from pathlib import Path
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from pipeline.config import TokenizerConfig, parse_config
 from pipeline.reading import Unit, tokenize_unit
@@ -15,12 +21,17 @@ from pipeline.tokenization import (
     BACKEND_HF_FALLBACK,
     CL100K_TIKTOKEN_PATTERN,
     FAST_PROBE,
+    REQUIRED,
     FastBackendError,
     FastEncoder,
     LoadedTokenizer,
+    _bytes_decoder,
     _cl100k_ranks_file,
+    _fast_encoder_from_hf,
+    _probe_fast,
     default_tokenizer_file,
     load_tokenizer,
+    prove_fast,
     verify_sample,
 )
 from tests.conftest import stdlib_texts
@@ -188,3 +199,247 @@ def test_special_ids_outside_the_vocabulary_are_refused(key):
 
     with pytest.raises(ValueError, match=rf"tokenizer.{key}: 2000000000 is not an id of 'default'"):
         load_tokenizer(TokenizerConfig(**{key: 2_000_000_000}))
+
+
+# --- Load-time proofs (prove_fast): exactness of the fast backend's BPE, by construction ---
+
+
+def test_fast_backend_is_proven_exact_for_the_default_tokenizer(tokenizer):
+    """Everything but the regex split is proven for cl100k, and proven afresh here (the
+    session's tokenizer may have read its verdict from the disk cache)."""
+    g = tokenizer.guarantees
+    assert g.as_dict() == {
+        "same_vocab": True,
+        "merges_ordered": True,
+        "whole_piece_lookup": True,
+        "vocab_roundtrip": True,
+        "added_tokens": True,
+        "pretokenizer": "sampled",
+        "normalizer": "none",
+        "failed": None,
+    }
+    assert g.proven and tokenizer.fast is not None
+    assert prove_fast(json.loads(default_tokenizer_file().read_text()), tokenizer.fast.ranks) == g
+
+
+@functools.cache
+def _mini_cl100k_text(n: int = 3000) -> str:
+    """cl100k cut to its first `n` ranks, every merge among them kept: a real byte-level BPE
+    tokenizer.json whose proofs take milliseconds instead of a second."""
+    d = json.loads(default_tokenizer_file().read_text())
+    vocab = {t: i for t, i in d["model"]["vocab"].items() if i < n}
+    merges = [m for m in d["model"]["merges"] if {m[0], m[1], m[0] + m[1]} <= vocab.keys()]
+    d["model"] |= {"vocab": vocab, "merges": merges}
+    d["added_tokens"] = []
+    return json.dumps(d)
+
+
+@pytest.fixture
+def mini(tmp_path, monkeypatch):
+    """`mini(edit, backend, name)`: write the mini cl100k, edited, and load it. Proof verdicts
+    are cached under tmp_path, so every test proves afresh."""
+    text = _mini_cl100k_text()  # reads the real default tokenizer, before the cache moves
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+
+    def load(edit=None, backend: str = "auto", name: str = "mini") -> LoadedTokenizer:
+        d = json.loads(text)
+        if edit is not None:
+            edit(d)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(d))
+        return load_tokenizer(TokenizerConfig(name=str(path), eos_id=0, backend=backend))
+
+    return load
+
+
+def _fast_for(tok: LoadedTokenizer) -> FastEncoder:
+    """tiktoken over the ranks of `tok`'s own tokenizer.json: what the fast backend would say."""
+    return _fast_encoder_from_hf(json.loads(Path(tok.name).read_text()), default=False)
+
+
+def _swap_with_last(pair):
+    def edit(d):
+        merges = d["model"]["merges"]
+        i = merges.index(list(pair))
+        merges[i], merges[-1] = merges[-1], merges[i]
+
+    return edit
+
+
+def _drop(pair):
+    return lambda d: d["model"]["merges"].remove(list(pair))
+
+
+def _add_unreachable_token(ignore_merges: bool):
+    """Token 'pino' (= 'pi' + 'no', its only split) that BPE never reaches: 'in' outranks both
+    halves, leaving p|in|o. Both libraries agree on that; only a whole-piece lookup differs."""
+
+    def edit(d):
+        d["model"]["vocab"]["pino"] = len(d["model"]["vocab"])
+        d["model"]["merges"].append(["pi", "no"])
+        d["model"]["ignore_merges"] = ignore_merges
+
+    return edit
+
+
+def _add_plain_token(d):
+    the = d["model"]["vocab"]["the"]
+    flags = dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized", "special"), False)
+    d["added_tokens"] = [{"id": the, "content": "the", **flags}]
+
+
+# Broken tokenizer.json files: (edit, the guarantees that fail, a text where HF then really
+# differs from tiktoken on the same ranks, or None where HF is random).
+BROKEN = {
+    "merge_order_swapped": (_swap_with_last(("o", "n")), {"merges_ordered"}, "collections"),
+    "used_merge_dropped": (
+        _drop(("i", "n")),
+        {"merges_ordered", "vocab_roundtrip"},
+        "within",
+    ),
+    "unreachable_token_without_lookup": (
+        _add_unreachable_token(ignore_merges=False),
+        {"whole_piece_lookup", "vocab_roundtrip"},
+        "pino",
+    ),
+    "dropout": (
+        lambda d: d["model"].update(dropout=0.5),
+        {"same_vocab", "merges_ordered", "whole_piece_lookup", "vocab_roundtrip"},
+        None,
+    ),
+    "plain_added_token": (_add_plain_token, {"added_tokens"}, "other"),
+}
+GUARANTEES = (*REQUIRED, "vocab_roundtrip")
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_failed_proof_turns_the_fast_backend_off(mini, case):
+    """Each breakage fails its guarantee at load: `auto` encodes with HF, `tiktoken` refuses
+    and names the guarantee; and the breakage is real (HF differs from tiktoken)."""
+    edit, failing, text = BROKEN[case]
+    tok = mini(edit, name=case)
+    g = tok.guarantees
+    assert {name for name in GUARANTEES if not getattr(g, name)} == failing, g.failed
+    assert not g.proven and tok.fast is None
+    assert tok.encode_verified(["x = 1234 in the within"])[2] == BACKEND_HF
+    if text is not None:
+        assert tok.encode([text])[0].tolist() != _fast_for(tok).encode([text])[0]
+    first = next(name for name in REQUIRED if name in failing)
+    with pytest.raises(FastBackendError, match=f"a guarantee failed: {first}: "):
+        mini(edit, backend="tiktoken", name=f"{case}_strict")
+
+
+def test_the_load_probe_alone_would_have_missed_a_swapped_merge(mini):
+    """Why prove: with two merges swapped, HF differs on 'collections', yet the probe texts
+    pass; before the proofs, only a per-batch sample that happened to hold it could tell."""
+    tok = mini(BROKEN["merge_order_swapped"][0], backend="hf")
+    assert _probe_fast(tok.tokenizer, _fast_for(tok)) is None
+
+
+# Edits that look like breakage but provably change nothing.
+ACCEPTED = {
+    # (' ', 'th') is a split of ' th' that BPE never uses: ' t' + 'h' forms it.
+    "unused_merge_dropped": _drop(("Ġ", "th")),
+    # Every token is reachable by merges, so the whole-piece lookup changes nothing.
+    "lookup_off": lambda d: d["model"].update(ignore_merges=False),
+    # vocab_roundtrip fails, but every split is listed and the lookup is on.
+    "unreachable_token_with_lookup": _add_unreachable_token(ignore_merges=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ACCEPTED))
+def test_what_the_proofs_accept_is_exact(mini, case):
+    """Harmless edits keep the fast backend, and it gives HF's ids on every text (all
+    checked, not sampled)."""
+    from dataclasses import replace
+
+    tok = mini(ACCEPTED[case], name=case)
+    assert tok.guarantees.proven and tok.fast is not None, tok.guarantees.failed
+    texts = ["pino pinot spinoza within the collections", " th this", *stdlib_texts(5)]
+    flat, _, backend = replace(tok, verify_fraction=1.0).encode_verified(texts)
+    assert backend == BACKEND_FAST
+    assert flat.tolist() == tok.encode(texts)[0].tolist()
+
+
+def test_proof_verdicts_are_cached_by_content(mini, tmp_path):
+    tok = mini()
+    assert tok.guarantees.proven and tok.fast is not None
+    [cached] = (tmp_path / "cache" / "fast_proofs").iterdir()
+    digest = hashlib.sha256((tmp_path / "mini.json").read_bytes()).hexdigest()
+    assert cached.name.startswith(digest)
+    # The same content under another name reads the verdict instead of proving: a doctored
+    # verdict is believed.
+    cached.write_text(json.dumps({**tok.guarantees.as_dict(), "merges_ordered": False}))
+    again = mini(name="same_content")
+    assert again.guarantees.merges_ordered is False and again.fast is None
+
+
+def _bytes_to_chars() -> dict[int, str]:
+    return {b: ch for ch, b in _bytes_decoder().items()}
+
+
+@st.composite
+def _small_bpe(draw):
+    """A random byte-level BPE: 256 bytes plus a few tokens over 'abc' ranked at random, a
+    random subset of their splits as merges, in random or rank order, lookup on or off."""
+    extra = draw(
+        st.lists(st.text("abc", min_size=2, max_size=5), min_size=1, max_size=10, unique=True)
+    )
+    rng = draw(st.randoms(use_true_random=False))
+    rng.shuffle(extra)
+    ranks = {bytes([b]): b for b in range(256)} | {t.encode(): 256 + i for i, t in enumerate(extra)}
+    splits = [(t[:k], t[k:]) for t in extra for k in range(1, len(t))]
+    merges = [(a, b) for a, b in splits if a.encode() in ranks and b.encode() in ranks]
+    keep = draw(st.sampled_from([0.7, 1.0]))  # 1.0: every split listed, as in cl100k's file
+    merges = [m for m in merges if rng.random() < keep]
+    rng.shuffle(merges)
+    if draw(st.booleans()):
+        merges.sort(key=lambda m: ranks[(m[0] + m[1]).encode()])
+    chars = _bytes_to_chars()
+    vocab = {"".join(chars[b] for b in t): r for t, r in ranks.items()}
+    model = {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": None,
+        "continuing_subword_prefix": None,
+        "end_of_word_suffix": None,
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": draw(st.booleans()),
+        "vocab": vocab,
+        "merges": [list(m) for m in merges],
+    }
+    pre = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    return {
+        "version": "1.0",
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": pre,
+        "post_processor": None,
+        "decoder": None,
+        "truncation": None,
+        "padding": None,
+        "model": model,
+    }, ranks
+
+
+SHORT_STRINGS = ["".join(p) for n in range(1, 7) for p in itertools.product("abc", repeat=n)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(_small_bpe())
+def test_proven_means_equal_on_every_short_string(case):
+    """The theorem, against the real libraries: wherever `prove_fast` proves, tiktoken and the
+    HF tokenizer agree on all 1,092 strings of up to 6 letters (each one pre-token)."""
+    import tiktoken
+    from tokenizers import Tokenizer
+
+    doc, ranks = case
+    g = prove_fast(doc, ranks)
+    event(f"proven={g.proven}")
+    if not g.proven:
+        return
+    hf = Tokenizer.from_str(json.dumps(doc))
+    enc = tiktoken.Encoding("small", pat_str=r"[abc]+", mergeable_ranks=ranks, special_tokens={})
+    got = [e.ids for e in hf.encode_batch(SHORT_STRINGS, add_special_tokens=False)]
+    assert got == [enc.encode_ordinary(s) for s in SHORT_STRINGS], g
