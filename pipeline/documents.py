@@ -156,6 +156,7 @@ class StreamDocs:
         self.reported = reported or (-1, -1, -1)
         self.read_mark = self.reported
         self.first_block_at: float | None = None  # time.monotonic() of the first block in
+        self.first_reads = None
 
     def start(self) -> None:
         """Begin reading now (the Ray executor starts work on construction)."""
@@ -164,6 +165,7 @@ class StreamDocs:
             self._early = self.first_executor(
                 self.units(c.epoch)[c.unit :], self.stream, self.cfg.tokenizer
             )
+            self.first_reads = self._early  # kept for its timings (Feed.summary)
 
     def close(self) -> None:
         """Stop every read this stream started (current, early and read-ahead executions)."""

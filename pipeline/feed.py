@@ -20,7 +20,7 @@ from pipeline.config import Config
 from pipeline.documents import Cursor, Reject, StreamDocs
 from pipeline.mixing import DeficitMixer
 from pipeline.packing import make_packer
-from pipeline.reading import Executor, iter_blocks_local, iter_blocks_ray, with_head_start
+from pipeline.reading import Executor, iter_blocks_local, iter_blocks_ray
 from pipeline.schema import build_batch, with_metadata
 from pipeline.states import STATE_VERSION, check_state, seal
 from pipeline.stats import describe_lengths
@@ -33,8 +33,9 @@ def default_executor(local: bool) -> Executor:
 
 class Feed:
     """The global step sequence of a config. `executor` reads and tokenizes (default: Ray
-    Data, or in-process with `local`); `head_start` has the first read of each stream begin
-    in this process while the executor starts (reading.with_head_start)."""
+    Data, or in-process with `local`); `first_executor`, if given, makes each stream's first
+    read instead (e.g. reading.with_head_start: this process tokenizes until the workers
+    deliver)."""
 
     def __init__(
         self,
@@ -44,7 +45,7 @@ class Feed:
         state: dict | None = None,
         allow_config_change: bool = False,
         executor: Executor | None = None,
-        head_start: bool = False,
+        first_executor: Executor | None = None,
     ):
         self.cfg = cfg
         self.names = list(cfg.streams)
@@ -53,7 +54,7 @@ class Feed:
         if state is not None:
             check_state(state, self.config_hash, self.names, allow_config_change)
         executor = executor or default_executor(local)
-        first = with_head_start(executor) if head_start else executor
+        first = first_executor or executor
         sink = on_reject or self.rejects.append
         self.streams = []
         for i, n in enumerate(self.names):
@@ -232,6 +233,8 @@ class Feed:
             # When the first tokenized block reached the feed (time.monotonic()); the export's
             # steady rate is measured from here (service/export.py `_timings`).
             "first_block_at": min(arrivals) if arrivals else None,
+            # With a head start: when its first block was made here, and the executor's.
+            "first_reads_at": _first_reads_at(self.streams),
             # Which tokenizer backend produced the tokens read (`hf_fallback`: batches whose
             # verification sample disagreed with the fast backend, re-encoded by HF).
             "tokenizer_backend": {
@@ -240,6 +243,17 @@ class Feed:
             },
             "config_hash": self.config_hash,
         }
+
+
+def _first_reads_at(streams) -> dict[str, float | None]:
+    head, worker = [], []
+    for s in streams:
+        first_at = getattr(s.first_reads, "first_at", None)
+        if callable(first_at):  # a head start (headstart.HeadStart): [here, executor]
+            h, w = first_at()
+            head += [h] if h is not None else []
+            worker += [w] if w is not None else []
+    return {"head": min(head, default=None), "executor": min(worker, default=None)}
 
 
 def rank_slice(

@@ -18,12 +18,14 @@ Output block schema (one row per record, in record order):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -243,8 +245,11 @@ def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.
 
 def read_tokenize_batch(batch: pa.Table, *, stream: dict, tokenizer: dict) -> pa.Table:
     """Ray Data `map_batches` body: one row per unit (JSON), one block per unit out."""
-    # One tokenizer thread per Ray worker: Ray already runs one worker per core.
+    # One tokenizer thread per Ray worker: Ray already runs one worker per core. (Set here,
+    # before the first encode builds rayon's pool, not through a job runtime_env: see
+    # service/cluster.py `connect`.)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     stream_cfg = StreamConfig.model_validate(stream)
     tok = load_tokenizer(TokenizerConfig.model_validate(tokenizer))
     tables = [
@@ -280,9 +285,10 @@ class _Prefetcher:
     def __init__(self, make_iter, depth: int):
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
+        self.first_at: list[float | None] = [None]  # when the first item was made (monotonic)
         self._thread = threading.Thread(
             target=_prefetch,
-            args=(make_iter, self._q, self._stop, self._END),
+            args=(make_iter, self._q, self._stop, self._END, self.first_at),
             name="tokenmill-prefetch",
             daemon=True,
         )
@@ -315,12 +321,15 @@ class _Prefetcher:
             except queue.Empty:
                 break
         self._thread.join(timeout)
+        with contextlib.suppress(queue.Full):  # a consumer blocked in `next`: it sees the end
+            self._q.put_nowait((self._END, None))
 
 
-def _prefetch(make_iter, q: queue.Queue, stop: threading.Event, end) -> None:
+def _prefetch(make_iter, q: queue.Queue, stop: threading.Event, end, first_at: list) -> None:
     it = make_iter()
     try:
         for item in it:
+            first_at[0] = first_at[0] or time.monotonic()
             while not stop.is_set():
                 try:
                     q.put((item, None), timeout=0.5)
@@ -391,60 +400,14 @@ def ray_executor(ready: Future | None = None) -> Executor:
     return functools.partial(iter_blocks_ray, ready=ready)
 
 
-# The first units of a feed's first reads are tokenized in the feed's own process while Ray
-# Data's execution starts (fresh worker processes for every new job, each importing pyarrow,
-# ray and the tokenizer: 2-4 s warm and 5-9 s with a cold Ray on 2 cores). That is where the
-# first step comes from, so it no longer waits for the workers; the output is the same bytes
-# whoever tokenizes a unit. 8 MiB covers the ramp's 1 + 2 + 4 MiB units, about 1 s of one core.
-HEAD_START_BYTES = 8 << 20
-
-
-def head_units(units: list[Unit], head_bytes: int) -> int:
-    """How many leading units fit in `head_bytes` (at least one, if there is one)."""
-    k, size = 0, 0
-    for u in units:
-        size += sum(max(p.nbytes, 1) for p in u.pieces)
-        if k and size > head_bytes:
-            break
-        k += 1
-    return k
-
-
-def with_head_start(executor: Executor, head_bytes: int = HEAD_START_BYTES) -> Executor:
-    """`executor`, but the first units (`head_bytes`) are tokenized here, on a thread."""
+def with_head_start(executor: Executor, ready: Future | None = None) -> Executor:
+    """`executor`, with this process tokenizing until its workers deliver (headstart.py)."""
+    from pipeline.headstart import HeadStart
 
     def run(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig):
-        k = head_units(units, head_bytes)
-        rest = executor(units[k:], stream, tok_cfg)  # starts first: it has the longer way
-        head = _Prefetcher(lambda: iter_blocks_local(units[:k], stream, tok_cfg), depth=2)
-        return _Chain([head, rest])
+        return HeadStart(units, stream, tok_cfg, executor, ready, iter_blocks_local)
 
     return run
-
-
-class _Chain:
-    """Iterate several block iterators in turn; `close()` closes every one of them."""
-
-    def __init__(self, parts: list):
-        self._parts = parts
-        self._at = 0
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        while self._at < len(self._parts):
-            try:
-                return next(self._parts[self._at])
-            except StopIteration:
-                self._at += 1
-        raise StopIteration
-
-    def close(self) -> None:
-        for part in self._parts:
-            close = getattr(part, "close", None)
-            if close is not None:
-                close()
 
 
 __all__ = [

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -648,13 +649,23 @@ def _fast_backend(
 
 
 _CACHE: dict[TokenizerConfig, LoadedTokenizer] = {}
+_LOADING = threading.Lock()
 
 
 def load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
-    """Load a tokenizer once per process (module-level cache; workers import this module)."""
+    """Load a tokenizer once per process (module-level cache; workers import this module).
+
+    Once, also when several threads ask at the same moment (the feed and its head start
+    did, and paid the ~0.7 s load twice on the same two cores)."""
     hit = _CACHE.get(cfg)
     if hit is not None:
         return hit
+    with _LOADING:
+        hit = _CACHE.get(cfg)
+        return hit if hit is not None else _load_tokenizer(cfg)
+
+
+def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import Tokenizer
 

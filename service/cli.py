@@ -46,6 +46,13 @@ def _print_summary(s: dict) -> None:
         f"{s['steady_tokens_per_s']:,.0f} steady (first block in to last step)"
     )
     print(f"packing          {100 * s['packing_efficiency']:.2f}% real tokens")
+    names = {"ray_connected": "ray up", "feed_started": "feed started",
+             "first_block_in_process": "first block (head start)",
+             "first_block_from_executor": "first block from workers"}  # fmt: skip
+    ph = s.get("phases", {})
+    marks = [f"{label} {ph[k]:.1f}s" for k, label in names.items() if ph.get(k) is not None]
+    if marks:
+        print(f"phases           {', '.join(marks)}; writing took {ph['writing_s']:.1f}s")
     used = {k: v for k, v in s.get("tokenizer_backend", {}).items() if v}
     if used:
         total = sum(used.values())

@@ -92,32 +92,44 @@ def test_full_layout_schema_is_the_batch_schema(tmp_path):
     assert isinstance(t, pa.Table)
 
 
-def test_a_head_start_gives_the_same_blocks_and_closes_both_parts(tmp_path):
-    """The first units tokenized here, the rest by the executor: the same blocks in order."""
+@pytest.mark.parametrize("executor_delay", [0.0, 0.3])
+def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, executor_delay):
+    """This process and the executor split the units by claims: every unit is tokenized
+    exactly once, and the blocks come out in unit order, equal to one executor's, whichever
+    side is faster."""
+    import time
+
     from pipeline.feed import Feed
-    from pipeline.reading import head_units, iter_blocks_local, with_head_start
+    from pipeline.headstart import HeadStart
+    from pipeline.reading import iter_blocks_local
 
     cfg = parse_config(
         {
             "seq_len": SEQ,
-            "read": {"first_block_bytes": 4096, "block_bytes": 8192},
+            "read": {"first_block_bytes": 2048, "block_bytes": 4096},
             "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}},
         }
     )
     units = Feed(cfg, local=True).streams[0].units(0)
-    size = [sum(p.nbytes for p in u.pieces) for u in units]
-    two = size[0] + size[1]
-    assert len(units) > 3 and head_units(units, two) == 2 and head_units(units, 1) == 1
     stream = cfg.streams["code"]
     plain = list(iter_blocks_local(units, stream, cfg.tokenizer))
-    calls = []
+    made: dict[str, list[int]] = {"local": [], "executor": []}
 
-    def executor(us, st, tok):
-        calls.append([u.index for u in us])
-        return iter_blocks_local(us, st, tok)
+    def side(name, delay):
+        def run(us, st, tok):
+            made[name] += [u.index for u in us]
+            for block in iter_blocks_local(us, st, tok):
+                time.sleep(delay)  # a slow start, as Ray's workers have
+                yield block
 
-    chained = with_head_start(executor, head_bytes=two)(units, stream, cfg.tokenizer)
-    got = list(chained)
-    assert calls == [[u.index for u in units[2:]]]  # the executor never saw the head
-    assert len(got) == len(plain) and all(a.equals(b) for a, b in zip(got, plain, strict=True))
-    chained.close()  # idempotent after the end, and closes the head's thread
+        return run
+
+    head = HeadStart(units, stream, cfg.tokenizer, side("executor", executor_delay), None,
+                     side("local", 0.0))  # fmt: skip
+    got = list(head)
+    head.close()
+    assert len(units) >= 8
+    assert sorted(made["local"] + made["executor"]) == [u.index for u in units]  # once each
+    assert made["local"][:1] == [0] and made["executor"]  # both took part
+    assert [b.num_rows for b in got] == [b.num_rows for b in plain]
+    assert all(a.equals(b) for a, b in zip(got, plain, strict=True))
