@@ -35,6 +35,8 @@ def compact(batch: pa.RecordBatch, keep_labels: bool) -> pa.RecordBatch:
     so every file of the export has the same columns) or when this step's labels are not the
     derived ones: correctness never depends on the writer's guess.
     """
+    if (batch.schema.metadata or {}).get(LAYOUT_KEY) == b"compact":  # built compact
+        return _with_labels(batch) if keep_labels else batch
     drop = set(DERIVED)
     if not keep_labels and _derivable_labels_equal(batch):
         drop.add("labels")
@@ -74,6 +76,18 @@ def expand(batch: pa.RecordBatch) -> pa.RecordBatch:
         [cols[name] if name in cols else batch.column(name) for name in schema.names],
         names=schema.names,
     ).cast(schema)
+
+
+def _with_labels(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A compact batch with its `labels` column (derived if it has none)."""
+    if "labels" in batch.schema.names:
+        return batch
+    L = batch.column("input_ids").type.list_size
+    _, segments, starts = _positions(batch.column("seq_lens"), batch.num_rows, L)
+    ids = batch.column("input_ids").flatten().to_numpy()
+    labels = _fixed(_derived_labels(ids, segments, starts), L)
+    field = batch_schema(L).field("labels")
+    return batch.add_column(1, field, labels)
 
 
 def read_step(path) -> pa.RecordBatch:

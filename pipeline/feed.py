@@ -79,6 +79,8 @@ class Feed:
             ramp_rows=cfg.global_batch_size,
         )
         self.pad_id = load_tokenizer(cfg.tokenizer).pad_id
+        # False: steps in the compact layout (pipeline/exports.py), as the export writes them.
+        self.full_batches = True
         self.step = 0
         self.rows = 0
         self.real_tokens = 0
@@ -154,7 +156,7 @@ class Feed:
             self.finished = True
             if not rows or self.cfg.drop_last:
                 return None
-        batch = build_batch(rows, self.cfg.seq_len, self.pad_id, self.names)
+        batch = build_batch(rows, self.cfg.seq_len, self.pad_id, self.names, self.full_batches)
         for row in rows:
             for seg in row:
                 self.real_tokens += seg.length
@@ -166,6 +168,7 @@ class Feed:
             global_step=self.step,
             seq_len=self.cfg.seq_len,
             config_hash=self.config_hash,
+            **({} if self.full_batches else {"layout": "compact"}),
         )
         self.step += 1
         if self.first_step_at is None:
@@ -245,15 +248,20 @@ class Feed:
         }
 
 
-def _first_reads_at(streams) -> dict[str, float | None]:
-    head, worker = [], []
+def _first_reads_at(streams) -> dict:
+    """With a head start (headstart.HeadStart): when each side's first block came, and how
+    many tokens each side made in the streams' first reads."""
+    head, worker, made = [], [], {"here": 0, "executor": 0}
     for s in streams:
         first_at = getattr(s.first_reads, "first_at", None)
-        if callable(first_at):  # a head start (headstart.HeadStart): [here, executor]
+        if callable(first_at):
             h, w = first_at()
             head += [h] if h is not None else []
             worker += [w] if w is not None else []
-    return {"head": min(head, default=None), "executor": min(worker, default=None)}
+            for k, v in s.first_reads.tokens.items():
+                made[k] += v
+    return {"head": min(head, default=None), "executor": min(worker, default=None),
+            "tokens": made}  # fmt: skip
 
 
 def rank_slice(

@@ -59,6 +59,7 @@ class HeadStart:
         self._runs: list = []  # executions, for close()
         self.first_local_at: float | None = None
         self.first_executor_at: float | None = None
+        self.tokens = {"here": 0, "executor": 0}  # tokens each side made
         self._threads = [
             threading.Thread(target=self._guard, args=(f,), daemon=True, name=f"tokenmill-{n}")
             for n, f in (("head-local", self._run_local), ("head-executor", self._run_executor))
@@ -103,6 +104,7 @@ class HeadStart:
             i = claimed[0]
             blocks = list(self.local([self.units[i]], self.stream, self.tok_cfg))
             self.first_local_at = self.first_local_at or time.monotonic()
+            self.tokens["here"] += sum(_tokens(b) for b in blocks)
             self._put(i, blocks)
 
     def _run_executor(self) -> None:
@@ -147,6 +149,7 @@ class HeadStart:
                 with self._cond:
                     self._warm = True
                     self._cond.notify_all()
+            self.tokens["executor"] += _tokens(table)
             for unit, part in _split_by_unit(table):
                 p = position_of[unit]
                 while at < p:
@@ -198,6 +201,10 @@ class HeadStart:
                 close()
         for t in self._threads:
             t.join(timeout=60)
+
+
+def _tokens(table) -> int:
+    return sum(len(chunk.values) for chunk in table.column("tokens").chunks)
 
 
 def _split_by_unit(table):

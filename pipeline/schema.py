@@ -33,8 +33,14 @@ def batch_schema(seq_len: int) -> pa.Schema:
     )
 
 
-def build_batch(rows, seq_len: int, pad_id: int, stream_names: list[str]) -> pa.RecordBatch:
-    """Assemble packed rows (lists of `packing.Segment`) into one record batch."""
+def build_batch(
+    rows, seq_len: int, pad_id: int, stream_names: list[str], full: bool = True
+) -> pa.RecordBatch:
+    """Assemble packed rows (lists of `packing.Segment`) into one record batch.
+
+    With `full=False`, the columns that `input_ids` and `seq_lens` determine are left out
+    (pipeline/exports.py, the compact layout): `position_ids`, `segment_ids`, and `labels`
+    when no segment carries a loss mask. The export writes that, and skips computing them."""
     L = seq_len
     n_rows = len(rows)
     counts = np.fromiter((len(r) for r in rows), dtype=np.int64, count=n_rows)
@@ -61,13 +67,31 @@ def build_batch(rows, seq_len: int, pad_id: int, stream_names: list[str]) -> pa.
     )
     input_ids = np.full(n_rows * L, pad_id, dtype=np.int32)
     input_ids[dest] = tokens
+    masked = any(s.doc.loss is not None for s in segs)
+    if not full:
+        return _compact_batch(rows, L, input_ids, masked, dest, tokens, src_start, lens,
+                              counts, doc_ids, offs, streams, stream_names)  # fmt: skip
     position_ids = np.zeros(n_rows * L, dtype=np.int32)
     position_ids[dest] = within
     segment_ids = np.zeros(n_rows * L, dtype=np.int32)
     segment_ids[dest] = np.repeat(seg_number, lens)
 
+    labels = _labels(segs, n_rows * L, dest, tokens, src_start, lens, masked)
+    return pa.RecordBatch.from_arrays(
+        [
+            _fixed(input_ids, L),
+            _fixed(labels, L),
+            _fixed(position_ids, L),
+            _fixed(segment_ids, L),
+            *_segment_columns(counts, lens, doc_ids, offs, streams, stream_names),
+        ],
+        schema=batch_schema(L),
+    )
+
+
+def _labels(segs, size, dest, tokens, src_start, lens, masked) -> np.ndarray:
     label_values = tokens.copy()
-    if any(s.doc.loss is not None for s in segs):
+    if masked:
         loss = np.concatenate(
             [
                 s.doc.loss[s.offset : s.offset + s.length]
@@ -78,32 +102,42 @@ def build_batch(rows, seq_len: int, pad_id: int, stream_names: list[str]) -> pa.
         )
         label_values[loss == 0] = IGNORE
     label_values[src_start[lens > 0]] = IGNORE  # each segment's first token
-    labels = np.full(n_rows * L, IGNORE, dtype=np.int32)
+    labels = np.full(size, IGNORE, dtype=np.int32)
     labels[dest] = label_values
+    return labels
 
-    row_offsets = np.zeros(n_rows + 1, dtype=np.int32)
+
+def _segment_columns(counts, lens, doc_ids, offs, streams, stream_names) -> list[pa.Array]:
+    """seq_lens, stream, doc_id, doc_offset: one list per row, one entry per segment."""
+    row_offsets = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=row_offsets[1:])
     offsets = pa.array(row_offsets)
-
-    def fixed(a: np.ndarray) -> pa.Array:
-        return pa.FixedSizeListArray.from_arrays(pa.array(a), L)
-
     stream_dict = pa.DictionaryArray.from_arrays(
         pa.array(streams), pa.array(stream_names, pa.string())
     )
-    return pa.RecordBatch.from_arrays(
-        [
-            fixed(input_ids),
-            fixed(labels),
-            fixed(position_ids),
-            fixed(segment_ids),
-            pa.ListArray.from_arrays(offsets, pa.array(lens.astype(np.int32))),
-            pa.ListArray.from_arrays(offsets, stream_dict),
-            pa.ListArray.from_arrays(offsets, pa.array(doc_ids)),
-            pa.ListArray.from_arrays(offsets, pa.array(offs.astype(np.int32))),
-        ],
-        schema=batch_schema(L),
-    )
+    return [
+        pa.ListArray.from_arrays(offsets, pa.array(lens.astype(np.int32))),
+        pa.ListArray.from_arrays(offsets, stream_dict),
+        pa.ListArray.from_arrays(offsets, pa.array(doc_ids)),
+        pa.ListArray.from_arrays(offsets, pa.array(offs.astype(np.int32))),
+    ]
+
+
+def _compact_batch(rows, L, input_ids, masked, dest, tokens, src_start, lens, counts,
+                   doc_ids, offs, streams, stream_names) -> pa.RecordBatch:  # fmt: skip
+    segs = [seg for row in rows for seg in row]
+    full = batch_schema(L)
+    names = ["input_ids", *(["labels"] if masked else []), "seq_lens", "stream", "doc_id",
+             "doc_offset"]  # fmt: skip
+    cols = [_fixed(input_ids, L)]
+    if masked:
+        cols.append(_fixed(_labels(segs, len(input_ids), dest, tokens, src_start, lens, True), L))
+    cols += _segment_columns(counts, lens, doc_ids, offs, streams, stream_names)
+    return pa.RecordBatch.from_arrays(cols, schema=pa.schema([full.field(n) for n in names]))
+
+
+def _fixed(a: np.ndarray, L: int) -> pa.Array:
+    return pa.FixedSizeListArray.from_arrays(pa.array(a), L)
 
 
 def _index_within_groups(counts: np.ndarray) -> np.ndarray:

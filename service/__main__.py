@@ -1,5 +1,3 @@
-import sys
+from service.cli import entry
 
-from service.cli import main
-
-sys.exit(main())
+entry()

@@ -153,6 +153,7 @@ def run_export(
         executor = ray_executor(ray_ready)
         first = with_head_start(executor, ray_ready)
     feed = Feed(cfg, local, None, resume, allow_config_change, executor, first)
+    feed.full_batches = layout == "full" or fmt == "mds"  # compact: nothing derivable computed
     feed_started = time.monotonic()
     writing = 0.0
     # Every file of an export has the same columns: labels are kept when a stream can mask.
@@ -241,6 +242,8 @@ def _timings(summary, started, begun, first_at, last_at, tokens, marks, writing)
         "first_step_written": since(first_at),
         "last_step_written": since(last_at),
         "writing_s": round(writing, 3),
+        "tokens_made_here": reads.get("tokens", {}).get("here", 0),
+        "tokens_made_by_executor": reads.get("tokens", {}).get("executor", 0),
     }
     return {
         "phases": phases,

@@ -133,3 +133,50 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
     assert made["local"][:1] == [0] and made["executor"]  # both took part
     assert [b.num_rows for b in got] == [b.num_rows for b in plain]
     assert all(a.equals(b) for a, b in zip(got, plain, strict=True))
+
+
+def test_cli_export_exits_at_once_and_leaves_no_ray_process(tmp_path):
+    """`tokenmill export` ends its process as soon as its files are written (service/cli.py
+    `entry`); the embedded Ray's processes end with it."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import yaml
+
+    cfg = _config(_corpus(tmp_path), chat=False, mode="concat")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    temp = tempfile.mkdtemp(prefix="tm", dir="/tmp")  # this Ray's own temp root
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS")}
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "service", "export", "--config", str(tmp_path / "c.yaml"),
+             "--out", str(tmp_path / "o")],
+            env=env | {"RAY_TMPDIR": temp}, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert json.loads((tmp_path / "o" / "summary.json").read_text())["steps_written"] > 0
+        deadline = time.time() + 10
+        while (left := _processes_mentioning(temp)) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not left, left
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(f"{pid}: {cmd[:120]}")
+    return found
