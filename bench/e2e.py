@@ -128,40 +128,45 @@ def main(argv=None) -> int:
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="default: all cores")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
+    result = run(args.corpus, args.repeats, args.cpus)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def run(corpus: list[str] | None, repeats: int, cpus: int, target_bytes: int = TARGET_BYTES):
+    """The three methods, `repeats` times each in round-robin order; the summarized result."""
     work = Path(tempfile.mkdtemp(prefix="tokenmill-e2e-"))
     head = None
     try:
-        files = [Path(f) for f in args.corpus] if args.corpus else default_corpus(work)
+        files = [Path(f) for f in corpus] if corpus else default_corpus(work, target_bytes)
         size = sum(f.stat().st_size for f in files)
         config = work / "e2e.yaml"
         config.write_text(json.dumps({
             "seq_len": SEQ_LEN, "global_batch_size": 16, "packing": {"mode": "concat"},
             "streams": {"corpus": {"paths": [str(f.resolve()) for f in files]}},
         }))  # fmt: skip
-        print(f"corpus: {len(files)} files, {size / 1e6:.1f} MB; {args.cpus} CPUs", flush=True)
-        head = RayHead(args.cpus)
+        print(f"e2e corpus: {len(files)} files, {size / 1e6:.1f} MB; {cpus} CPUs", flush=True)
+        head = RayHead(cpus)
         methods = {
-            "script": lambda i: run_script(files, work / f"s{i}", args.cpus),
+            "script": lambda i: run_script(files, work / f"s{i}", cpus),
             "tokenmill_cold": lambda i: run_tokenmill(config, work / f"c{i}", None),
             "tokenmill_warm": lambda i: run_tokenmill(config, work / f"w{i}", head.address),
         }
         runs: dict[str, list[dict]] = {k: [] for k in methods}
         run_tokenmill(config, work / "w-first", head.address)  # the cluster's first job: unmeasured
-        for i in range(args.repeats):
+        for i in range(repeats):
             for name, fn in methods.items():
                 runs[name].append(fn(i))
                 r = runs[name][-1]
-                print(f"  {i + 1}/{args.repeats} {name:<15} {r['wall_s']:6.2f}s  "
+                print(f"  {i + 1}/{repeats} {name:<15} {r['wall_s']:6.2f}s  "
                       f"{r['tokens']:,} tokens", flush=True)  # fmt: skip
     finally:
         if head is not None:
             head.close()
         shutil.rmtree(work, ignore_errors=True)
-    result = summarize(runs, size, args.cpus)
-    print(table(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return summarize(runs, size, cpus)
 
 
 def summarize(runs: dict[str, list[dict]], corpus_bytes: int, cpus: int) -> dict:

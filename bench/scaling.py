@@ -9,7 +9,8 @@ Points, each a fresh Ray, the same `tokenmill export` (concat, L = 2048, files w
     really cross object stores as they would between machines.
 For each point the limit is N x the single-process HF tokenizer rate measured in the same run,
 and the single-process tiktoken rate x N is drawn too (the fast backend's ceiling). Figures
-are steady-state tokens/s (first step to last) and end to end (start-up included).
+are steady-state tokens/s (first tokenized block in to last step) and end to end (start-up
+included).
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ round-robin order, so slow drift on a shared machine falls on every method alike
 is measured 3 times either way (it is cheap and it is every ratio's denominator). Every
 figure is printed as a ratio to the limit and to each peer, never as an absolute bar.
 
+First, unless `--no-e2e`: `bench/e2e.py`, each method a fresh process timed from its start to
+its exit on ~100 MB (quick: ~12 MB) of the same code: the hand-written `multiprocessing.Pool`
++ tiktoken + concat + Parquet script against `tokenmill export` cold (it starts its own Ray)
+and warm (`--address` to a running cluster). This is the comparison a user makes.
+
 Also, on the same warm cluster: the first batch of a fresh feed and of feeds resumed early
 and late in the demo mixture (bench/resume.py); the peak private RSS (driver + Ray workers)
 and object-store bytes sampled during the tokenmill runs; and, with `--demo`, the trainer's
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -92,7 +98,7 @@ def _run_tokenmill(cfg, out: Path) -> dict:
         "tokens": s["real_tokens"],
         "elapsed_s": s["elapsed_s"],
         "time_to_first_step_s": s["time_to_first_step_s"],
-        "steady_tokens_per_s": s["tokens_per_s"],
+        "steady_tokens_per_s": s["steady_tokens_per_s"],
         "packing_efficiency": s["packing_efficiency"],
         "tokenizer_backend": s["tokenizer_backend"],
     }
@@ -173,7 +179,7 @@ def _extras(result: dict) -> str:
     limit = result["limit_tokens_per_s"]
     lines = [
         "",
-        "tokenmill steady state (first step to last): "
+        "tokenmill steady state (first block in to last step): "
         + ", ".join(f"{k}: {v:,.0f} tok/s = {v / limit:.2f}x limit" for k, v in steady.items()),
         "time to first step (export on the running Ray; Ray Data start included): "
         + ", ".join(f"{k}: " + "/".join(f"{x:.1f}s" for x in v) for k, v in ttfb.items()),
@@ -206,7 +212,16 @@ def main(argv=None) -> int:
         "--mode", choices=["bfd", "concat"], default="bfd", help="tokenmill's packing mode"
     )
     ap.add_argument("--demo", action="store_true", help="also run the demo for its data-wait")
+    ap.add_argument("--no-e2e", action="store_true",
+                    help="skip the end-to-end runs against the hand-written script (bench/e2e.py)")  # fmt: skip
     args = ap.parse_args(argv)
+    e2e = None
+    if not args.no_e2e:  # first, in fresh processes, before this process starts its own Ray
+        from bench import e2e as e2e_bench
+
+        print("end to end: the hand-written script, tokenmill cold and warm...", flush=True)
+        e2e = e2e_bench.run(None, 1 if args.quick else 3, os.cpu_count() or 1,
+                            QUICK_BYTES * 4 if args.quick else e2e_bench.TARGET_BYTES)  # fmt: skip
 
     import ray
 
@@ -330,6 +345,7 @@ def main(argv=None) -> int:
         "peak_private_rss_bytes": max((r["rss_peak"] for r in tm_runs), default=None),
         "peak_object_store_bytes": max((r["store_peak"] for r in tm_runs), default=None),
         "demo": demo,
+        "end_to_end": e2e,
         "bars": {  # SPEC §4: ≥ 85% of the limit; ahead of every peer
             "tokenmill_over_limit": tm.get("over_limit"),
             "meets_85pct_of_limit": tm.get("over_limit", 0) >= 0.85,
@@ -339,6 +355,10 @@ def main(argv=None) -> int:
     print()
     print(_table(result))
     print(_extras(result))
+    if e2e is not None:
+        from bench.e2e import table as e2e_table
+
+        print(e2e_table(e2e))
     print(
         "\ntokens/s = real tokens delivered / wall time from start to last row (start-up"
         " included); spread = ±(max − min) / 2 / median over repeats; ×X = ratio to X's median."

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         "export_tokens_per_s": export_rates,
         "export_over_limit": [r / limit_rate for r in export_rates],
         "export_over_limit_median": statistics.median(export_rates) / limit_rate,
-        "export_steady_tokens_per_s": [r["tokens_per_s"] for r in runs],
+        "export_steady_tokens_per_s": [r["steady_tokens_per_s"] for r in runs],
         "export_elapsed_s": [r["elapsed_s"] for r in runs],
         "time_to_first_step_s": [r["time_to_first_step_s"] for r in runs],
         "packing_efficiency": runs[-1]["packing_efficiency"],
