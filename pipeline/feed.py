@@ -275,6 +275,10 @@ def rank_slice(
     per_rank = global_batch_size // world_size
     start = min(rank * per_rank, batch.num_rows)
     part = batch.slice(start, max(0, min(per_rank, batch.num_rows - start)))
+    # Only this rank's rows: a slice still holds the whole step's buffers, and pickling it
+    # (ray.put in the server) copied all of them. With 8 ranks every rank's object held the
+    # whole step: 527 KB instead of 67 KB per rank of a 16 x 2048 step.
+    part = pa.concat_batches([part]) if world_size > 1 else part
     meta = dict(batch.schema.metadata or {})
     meta.update({b"rank": str(rank).encode(), b"world_size": str(world_size).encode()})
     return part.replace_schema_metadata(meta)

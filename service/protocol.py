@@ -52,8 +52,9 @@ class Welcome:
 
 @dataclass(frozen=True)
 class StepReply:
-    """The answer to `get(rank, world_size, step, wait_s)`. `ready`: `refs` holds one ObjectRef to the rank's Arrow slice (wrapped in a list, so
-    Ray hands the caller the reference, not the value). `end`: the data has ended. `wait`:
+    """The answer to `get(rank, world_size, step, wait_s, count)`. `ready`: `refs` holds one
+    ObjectRef to a list of the rank's Arrow slices of consecutive steps, from `step` on
+    (wrapped in a list, so Ray hands the caller the reference, not the value). `end`: the data has ended. `wait`:
     not produced yet; `reason` says why (`producing`, `paused`, or the ranks it waits for)."""
 
     status: str

@@ -40,7 +40,8 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def take(server, rank: int, world_size: int, step: int, timeout_s: float = 60.0):
-    """The ObjectRef of `rank`'s slice of `step` (long-polling), or None when the data ended."""
+    """The ObjectRef of `rank`'s slices from `step` on (a list; long-polling), or None when the
+    data ended."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         reply = server.get(rank, world_size, step, 1.0)
@@ -106,7 +107,7 @@ def test_put_mixture_takes_effect_at_the_stated_step(client, server):
         ref = take(server, 0, 1, s)
     import ray
 
-    batch = ray.get(ref)
+    batch = ray.get(ref)[0]  # one step was asked for: a list of one slice
     assert set(s for row in batch.column("stream").to_pylist() for s in row) == {"code"}
 
 

@@ -19,6 +19,7 @@ from pipeline.exports import read_step
 from service.export import run_export
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
+from trainer.feed import Feed
 
 pytestmark = pytest.mark.slow
 
@@ -160,7 +161,9 @@ def test_a_straggler_10x_slower_loses_nothing_and_memory_stays_bounded(served, t
             lags.append(m["ranks"]["1"]["lag"])
         time.sleep(0.05)
     assert max(held) <= prefetch, f"held steps {max(held)} > prefetch {prefetch}"
-    assert max(lead) <= prefetch + 1, "the fast rank ran ahead only up to the prefetch window"
+    # Each rank fetches up to Feed.LOOKAHEAD produced steps per call: the straggler holds
+    # those it fetched, so the fast rank may consume that much further ahead.
+    assert max(lead) <= prefetch + Feed.LOOKAHEAD, "the fast rank ran ahead only so far"
     assert max(lead) >= prefetch - 1, "the fast rank was served ahead, not held in lockstep"
     assert max(lags) >= 1, "the straggler's lag is reported"
     assert_equal_to_export(got, exported(cfg, tmp_path, steps, 2), steps)
