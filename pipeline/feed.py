@@ -245,7 +245,14 @@ class Feed:
                 for k, name in enumerate(BACKEND_NAMES)
             },
             "config_hash": self.config_hash,
+            # What was proven at load about the fast backend (docs/architecture.md,
+            # "Tokenizer backends"); null when it was not considered (backend hf).
+            "tokenizer_guarantees": self._guarantees(),
         }
+
+    def _guarantees(self) -> dict | None:
+        g = load_tokenizer(self.cfg.tokenizer).guarantees
+        return None if g is None else g.as_dict() | {"proven": g.proven}
 
 
 def _first_reads_at(streams) -> dict:

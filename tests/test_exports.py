@@ -75,6 +75,8 @@ def test_export_figures_count_from_process_start_and_hold_together(tmp_path):
     )
     # The steady window is inside the run, so its rate can only be the higher one.
     assert on_disk["steady_tokens_per_s"] >= on_disk["tokens_per_s"] > 0
+    g = on_disk["tokenizer_guarantees"]  # what was proven about the fast backend, reported
+    assert g["proven"] and g["merges_ordered"] and g["pretokenizer"] == "sampled"
 
 
 def test_an_unknown_layout_is_refused(tmp_path):
