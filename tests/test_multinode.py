@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import yaml
 
 from pipeline.config import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import free_port, wait_http
+from tests.rayhead import free_port, wait_http, wait_listening
 from tests.test_ranks import exported
 
 pytestmark = pytest.mark.slow
@@ -155,7 +154,8 @@ def two_nodes(tmp_path):
                 log = files.enter_context(open(tmp_path / f"node{i}.log", "w"))
                 kw = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
                 procs.append(subprocess.Popen(cmd, env=ray_env, **kw))
-                time.sleep(2 if i == 0 else 0)  # the second node retries its GCS connection anyway
+                if i == 0:  # the GCS must answer before anyone probes it (CI saw it take >7 s)
+                    wait_listening(port, timeout=120)  # the second node retries on its own
             env = _tokenmill_env(token_file)
             r = subprocess.run(
                 [sys.executable, "-c", NODES, gcs, "180"],
