@@ -25,7 +25,6 @@ import logging
 import os
 import queue
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -285,10 +284,9 @@ class _Prefetcher:
     def __init__(self, make_iter, depth: int):
         self._q: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self.first_at: list[float | None] = [None]  # when the first item was made (monotonic)
         self._thread = threading.Thread(
             target=_prefetch,
-            args=(make_iter, self._q, self._stop, self._END, self.first_at),
+            args=(make_iter, self._q, self._stop, self._END),
             name="tokenmill-prefetch",
             daemon=True,
         )
@@ -325,11 +323,10 @@ class _Prefetcher:
             self._q.put_nowait((self._END, None))
 
 
-def _prefetch(make_iter, q: queue.Queue, stop: threading.Event, end, first_at: list) -> None:
+def _prefetch(make_iter, q: queue.Queue, stop: threading.Event, end) -> None:
     it = make_iter()
     try:
         for item in it:
-            first_at[0] = first_at[0] or time.monotonic()
             while not stop.is_set():
                 try:
                     q.put((item, None), timeout=0.5)
