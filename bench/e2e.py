@@ -2,7 +2,7 @@
 
     tokenmill bench e2e [--corpus FILE.jsonl ...] [--repeats 3] [--json OUT]
 
-Three ways to the same tokens, each a fresh process timed from its start to its exit, in
+Four ways to the same tokens, each a fresh process timed from its start to its exit, in
 round-robin order so a shared machine's drift falls on all alike:
 
 - **script**: `bench/script_peer.py`: `multiprocessing.Pool(N)` + tiktoken cl100k + numpy
@@ -10,6 +10,8 @@ round-robin order so a shared machine's drift falls on all alike:
 - **tokenmill cold**: `tokenmill export` with nothing running: it starts its own Ray;
 - **tokenmill warm**: `tokenmill export --address` to a Ray cluster started once for the
   bench (`ray start --head`, its own temp dir and ports; stopped by its process group).
+- **tokenmill pool**: the same with `--pool N`: a warm pool of N tokenizer actors that the
+  previous export left (pipeline/pool.py), instead of Ray Data tasks in fresh workers.
 
 Same corpus, L = 2048, concat packing, EOS after each document, N = the machine's CPUs (Ray's
 workers get N CPUs too). The figure is wall time; tokenmill's own `summary.json` adds its time
@@ -109,10 +111,12 @@ def run_script(files: list[Path], out: Path, cpus: int) -> dict:
     return {"wall_s": wall, "tokens": json.loads(stdout.strip().splitlines()[-1])["tokens"]}
 
 
-def run_tokenmill(config: Path, out: Path, address: str | None) -> dict:
+def run_tokenmill(config: Path, out: Path, address: str | None, pool: int = 0) -> dict:
     cmd = [str(BIN / "tokenmill"), "export", "--config", str(config), "--out", str(out)]
+    cmd += ["--address", address] if address else []
+    cmd += ["--pool", str(pool)] if pool else []
     env = dict(os.environ, TOKENMILL_RAY_ADDRESS="", RAY_ADDRESS="")
-    wall, _ = _timed(cmd + (["--address", address] if address else []), env)
+    wall, _ = _timed(cmd, env)
     s = json.loads((out / "summary.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     keys = ("wall_s", "startup_s", "time_to_first_step_s", "tokens_per_s", "steady_tokens_per_s")
@@ -153,9 +157,11 @@ def run(corpus: list[str] | None, repeats: int, cpus: int, target_bytes: int = T
             "script": lambda i: run_script(files, work / f"s{i}", cpus),
             "tokenmill_cold": lambda i: run_tokenmill(config, work / f"c{i}", None),
             "tokenmill_warm": lambda i: run_tokenmill(config, work / f"w{i}", head.address),
+            "tokenmill_pool": lambda i: run_tokenmill(config, work / f"p{i}", head.address, cpus),
         }
         runs: dict[str, list[dict]] = {k: [] for k in methods}
         run_tokenmill(config, work / "w-first", head.address)  # the cluster's first job: unmeasured
+        run_tokenmill(config, work / "p-first", head.address, cpus)  # creates the pool: unmeasured
         for i in range(repeats):
             for name, fn in methods.items():
                 runs[name].append(fn(i))

@@ -42,7 +42,7 @@ def run(corpus: Path, mode: str, write: bool, work: Path) -> dict:
 
     cfg = parse_config({"seq_len": SEQ_LEN, "global_batch_size": 16, "packing": {"mode": mode},
                         "streams": {"s": {"paths": [str(corpus)]}}})  # fmt: skip
-    units = Feed(cfg, local=True).streams[0].units(0)
+    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
     t = time.perf_counter()
     blocks = {u.index: list(iter_blocks_local([u], cfg.streams["s"], cfg.tokenizer)) for u in units}
     tokenize_s = time.perf_counter() - t

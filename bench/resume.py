@@ -34,7 +34,7 @@ def warm_latencies(cfg, steps: int) -> dict:
     t = time.perf_counter()
     for step in range(1, steps):
         if step in (2, steps - 1):
-            states[step] = feed.state()
+            states[step] = feed.get_state()
         if feed.next_step() is None:
             break
     straight_s = time.perf_counter() - t

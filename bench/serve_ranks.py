@@ -435,8 +435,8 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
             log("export")
             reports: list[tuple[float, int, int]] = []  # (time, steps written, real tokens)
             t_export = time.monotonic()
-            export = run_export(cfg, work / "export", steps=steps,
-                                progress=lambda n, tok, _: reports.append((time.monotonic(), n, tok)))  # fmt: skip
+            exported = run_export(cfg, work / "export", steps=steps,
+                                  progress=lambda n, tok, _: reports.append((time.monotonic(), n, tok)))  # fmt: skip
             shutil.rmtree(work / "export", ignore_errors=True)
 
             log("serve")
@@ -513,9 +513,9 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         "gpus_fed": {g: rate / g for g in GPU_RATES},
         "latency_ms": got["latency_ms"],
         "export_summary": {  # its own figures; their definitions are service/export.py's
-            key: export[key]
-            for key in ("tokens_per_s", "steady_tokens_per_s", "time_to_first_step_s")
-            if key in export
+            "tokens_per_s": exported.export.tokens_per_s,
+            "steady_tokens_per_s": exported.export.steady_tokens_per_s,
+            "time_to_first_step_s": exported.export.time_to_first_step_s,
         },
         # From the feed's start to step `first_step.after_step` done (the export's first report).
         "time_to_first_report_s": {

@@ -94,13 +94,14 @@ def _run_tokenmill(cfg, out: Path) -> dict:
         s = run_export(cfg, out)
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    x = s.export
     return {
-        "tokens": s["real_tokens"],
-        "elapsed_s": s["elapsed_s"],
-        "time_to_first_step_s": s["time_to_first_step_s"],
-        "steady_tokens_per_s": s["steady_tokens_per_s"],
-        "packing_efficiency": s["packing_efficiency"],
-        "tokenizer_backend": s["tokenizer_backend"],
+        "tokens": s.real_tokens,
+        "elapsed_s": x.elapsed_s,
+        "time_to_first_step_s": x.time_to_first_step_s,
+        "steady_tokens_per_s": x.steady_tokens_per_s,
+        "packing_efficiency": s.packing_efficiency,
+        "tokenizer_backend": s.tokenizer_backend,
     }
 
 

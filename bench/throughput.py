@@ -92,20 +92,20 @@ def main(argv=None) -> int:
 
     limit_rate = cpus * statistics.median(single)
     # End to end: every token over the whole export, start-up included (the conservative figure).
-    export_rates = [r["real_tokens"] / r["elapsed_s"] for r in runs]
+    export_rates = [r.real_tokens / r.export.elapsed_s for r in runs]
     result = {
         "corpus_bytes": sum(len(t) for t in texts),
-        "corpus_tokens": runs[-1]["real_tokens"],
+        "corpus_tokens": runs[-1].real_tokens,
         "cpus": cpus,
         "single_process_tokens_per_s": single,
         "limit_tokens_per_s": limit_rate,
         "export_tokens_per_s": export_rates,
         "export_over_limit": [r / limit_rate for r in export_rates],
         "export_over_limit_median": statistics.median(export_rates) / limit_rate,
-        "export_steady_tokens_per_s": [r["steady_tokens_per_s"] for r in runs],
-        "export_elapsed_s": [r["elapsed_s"] for r in runs],
-        "time_to_first_step_s": [r["time_to_first_step_s"] for r in runs],
-        "packing_efficiency": runs[-1]["packing_efficiency"],
+        "export_steady_tokens_per_s": [r.export.steady_tokens_per_s for r in runs],
+        "export_elapsed_s": [r.export.elapsed_s for r in runs],
+        "time_to_first_step_s": [r.export.time_to_first_step_s for r in runs],
+        "packing_efficiency": runs[-1].packing_efficiency,
         "mode": args.mode,
     }
     print(

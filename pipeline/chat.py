@@ -150,7 +150,8 @@ class ChatEncoder:
     def encode(self, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray] | str]:
         """Per conversation: (ids int32, loss int8), or a reason string if it cannot render."""
         rendered: list[list[tuple[str, int]] | str] = []
-        glue, content = [], []
+        glue: list[str] = []
+        content: list[str] = []
         for msgs in conversations:
             try:
                 parts = render_parts(msgs, self.template, self._bos, self._eos)
@@ -163,14 +164,14 @@ class ChatEncoder:
         glue_ids = iter(self._encode(glue, specials=True))
         content_ids = iter(self._encode(content, specials=False))
         out: list[tuple[np.ndarray, np.ndarray] | str] = []
-        for msgs, parts in zip(conversations, rendered, strict=True):
-            if isinstance(parts, str):
-                out.append(parts)
+        for msgs, done in zip(conversations, rendered, strict=True):
+            if isinstance(done, str):
+                out.append(done)
                 continue
             ids: list[int] = []
             loss: list[int] = []
             after_assistant = False
-            for _, part in parts:
+            for _, part in done:
                 if part < 0:
                     piece = next(glue_ids)
                     flags = [0] * len(piece)

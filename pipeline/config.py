@@ -13,10 +13,28 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
-# `export`: a `tokenmill export` directory used as a pre-tokenized source (SPEC M12).
-Format = Literal["jsonl", "parquet", "text", "mds", "export"]
+# Token id columns of raw bytes (`tokens_dtype`): LLM-Foundry's `--concat_tokens` wrote int64.
+TokensDtype = Literal["uint16", "int16", "uint32", "int32", "int64"]
+# `model_dump(context=REVEAL_SECRETS)` keeps `storage_options` values: only for handing the
+# config to the processes that read (Ray tasks, the service actor), never for output.
+REVEAL_SECRETS = {"reveal_secrets": True}
+REDACTED = "***"
+
+
+def redact(options) -> dict:
+    """Storage options with their keys kept and every value replaced (they hold secrets)."""
+    return {k: REDACTED for k in (options or {})}
 
 
 class ConfigError(ValueError):
@@ -31,12 +49,15 @@ class TokenizerConfig(_Frozen):
     """Which tokenizer, and the explicit BOS/EOS policy.
 
     `name` is 'default' (the offline cl100k_base tokenizer), a Hugging Face hub name, a local
-    directory, or a `tokenizer.json` file. Pretrain documents get EOS appended and no BOS by
-    default; ids left as None come from the tokenizer itself.
+    directory, a `tokenizer.json` file or a SentencePiece `.model` file. Pretrain documents get
+    EOS appended, and BOS prepended where the tokenizer's own config does so; ids left as None
+    come from the tokenizer itself.
     """
 
     name: str = "default"
-    add_bos: bool = False
+    # None: what the tokenizer itself says (tokenizer_config.json's add_bos_token, or a
+    # post-processor that puts BOS first, as Llama's do); False for 'default'.
+    add_bos: bool | None = None
     add_eos: bool = True
     bos_id: int | None = Field(default=None, ge=0)
     eos_id: int | None = Field(default=None, ge=0)
@@ -87,14 +108,56 @@ class ReadConfig(_Frozen):
 
 
 class StreamConfig(_Frozen):
+    """One named stream. `format` is a module of pipeline/formats/ (jsonl, parquet, text, mds,
+    arrow, export), inferred from the files when omitted.
+
+    `tokens_field` (pretrain only) reads token ids from that field or column, with no
+    tokenizer: BOS/EOS are still added per `tokenizer`, and an id outside the tokenizer's
+    vocabulary makes the record bad. `tokens_dtype` says how to read a raw `bytes` value.
+    `storage_options` go to fsspec for URLs (endpoint_url, key, secret, anon, profile, ...);
+    they are secrets: shown as "***" in every dump, repr and message, left out of the hash.
+    """
+
     kind: Literal["pretrain", "chat"] = "pretrain"
     paths: list[str]
-    format: Format | None = None
+    format: str | None = None
     text_field: str = "text"
     messages_field: str = "messages"
+    tokens_field: str | None = None
+    tokens_dtype: TokensDtype | None = None
     weight: float = 1.0
     repeat: int = Field(default=1, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: str | None) -> str | None:
+        from pipeline.formats import registry  # local: formats import sources, which import this
+
+        if v is not None and v not in registry():
+            raise ValueError(f"must be one of {', '.join(sorted(registry()))}, got {v!r}")
+        return v
+
+    @field_serializer("storage_options")
+    def _hide_secrets(self, v: dict[str, Any], info: SerializationInfo) -> dict[str, Any]:
+        if (info.context or {}).get("reveal_secrets"):
+            return v
+        return redact(v)
+
+    def __repr_args__(self):
+        for k, v in super().__repr_args__():
+            yield k, redact(v) if k == "storage_options" else v
+
+    @model_validator(mode="after")
+    def _tokens_field_fits(self) -> StreamConfig:
+        if self.tokens_field is not None and self.kind != "pretrain":
+            raise ValueError(f"tokens_field is for kind pretrain, got kind {self.kind!r}")
+        if self.tokens_field is not None and self.format in ("text", "export"):
+            raise ValueError(f"tokens_field does not apply to format {self.format!r}")
+        if self.tokens_dtype is not None and self.tokens_field is None:
+            raise ValueError("tokens_dtype needs tokens_field")
+        return self
 
     @field_validator("paths")
     @classmethod
@@ -193,8 +256,16 @@ class Config(_Frozen):
         data = self.model_dump(
             mode="json", exclude={"service": True, "tokenizer": {"backend", "verify_fraction"}}
         )
+        if data["tokenizer"]["add_bos"] is None:  # hashed as the False it was before None
+            data["tokenizer"]["add_bos"] = False
         if data["read"]["max_record_bytes"] == MAX_RECORD_BYTES:
             del data["read"]["max_record_bytes"]  # the default keeps older configs' hashes
+        for stream in data["streams"].values():
+            # How the files are reached (credentials, endpoints) is not what they hold.
+            del stream["storage_options"]
+            for key in ("tokens_field", "tokens_dtype"):  # unset: older configs' hashes
+                if stream[key] is None:
+                    del stream[key]
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -207,7 +278,8 @@ def _format_errors(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         value = e.get("input")
-        shown = "" if isinstance(value, dict | list) else f", got {value!r}"
+        secret = "storage_options" in e["loc"]
+        shown = "" if isinstance(value, dict | list) or secret else f", got {value!r}"
         lines.append(f"{key}: {msg}{shown}")
     return "; ".join(lines)
 
@@ -231,7 +303,23 @@ def parse_config(data: Any, base_dir: str | Path | None = None) -> Config:
             raise ConfigError(f"streams.{name}.paths: {e}") from None
         # Freeze the resolution into the config so every process sees the same file list.
         streams[name] = s.model_copy(update={"paths": files, "format": fmt})
-    return cfg.model_copy(update={"streams": streams})
+    return cfg.model_copy(update={"streams": streams, "tokenizer": _resolve_tokenizer(cfg, base)})
+
+
+def _resolve_tokenizer(cfg: Config, base: Path) -> TokenizerConfig:
+    """A relative tokenizer path resolves like a stream's paths: the working directory, then
+    the config's directory.
+
+    Only a name that exists there is rewritten (to an absolute path, so every process on every
+    node sees the same file); anything else stays a Hub name or 'default'.
+    """
+    name = cfg.tokenizer.name
+    if name == "default" or "://" in name or Path(name).is_absolute():
+        return cfg.tokenizer
+    for local in (Path.cwd() / name, base / name):  # the order stream paths resolve in
+        if local.exists():
+            return cfg.tokenizer.model_copy(update={"name": str(local.resolve())})
+    return cfg.tokenizer
 
 
 def load_config(path: str | Path) -> Config:

@@ -1,8 +1,8 @@
-"""One stream's tokenized documents, in their deterministic, shuffled order, across epochs.
+"""One stream's tokenized documents, in their deterministic read order, across epochs.
 
 Per epoch: the stream's files are put in a seeded order, cut into pieces, grouped into units,
-read and tokenized by an executor (Ray Data, or in-process for `check` and tests), then
-shuffled within windows of documents. Bad records are handled here, in stream order, so the
+and read and tokenized by an executor (Ray Data, or in-process for `check` and tests). The
+windowed document shuffle comes next, in its own stage (shuffle.WindowShuffle). Bad records are handled here, in stream order, so the
 error raised (`on_error: fail`) or the rejects written (`skip`) are the same on every run.
 """
 
@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline.arrays import valid, view
 from pipeline.config import Config
 from pipeline.reading import Executor, Unit, group_units
-from pipeline.shuffle import file_order, window_permutation
-from pipeline.sources import WHOLE_FILE, Piece, list_mds_shards, plan_pieces
+from pipeline.shuffle import file_order
+from pipeline.sources import WHOLE_FILE, Access, Piece, data_files, plan_pieces
 
 
 class BadRecordError(ValueError):
@@ -33,47 +35,40 @@ class Doc:
     doc_id: int
     tokens: np.ndarray
     loss: np.ndarray | None = None
-    cursor: Cursor | None = None  # where the stream stood just before yielding this doc
+    # Where the last stage that emitted this doc stood just before it (pipeline/stage.py).
+    cursor: Any = None
     arrival: int = -1  # set by the bfd packer: the arrival number of this doc's first piece
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
-@dataclass(frozen=True)
-class Cursor:
-    """A position in a stream's shuffled document sequence, enough to resume there exactly.
+@dataclass(frozen=True, slots=True)
+class SourcePos:
+    """A read position in one stream, with the stream's counters as of that position.
 
-    Documents are shuffled within windows of `shuffle.window` good documents in read order.
-    (`unit`, `row`) is the read position of the window's first row; the counters are the
-    stream's as of that position; `offset` is how many documents of the window were yielded.
-    Resuming re-reads one window from (`unit`, `row`), never the prefix of the epoch.
+    (`unit`, `row`) is the next row to read in epoch `epoch`'s units. Resuming there re-reads
+    the rest of one unit (a block), never the prefix of the epoch.
     """
 
     epoch: int = 0
-    window: int = 0
     unit: int = 0
     row: int = 0
     docs: int = 0
     tokens: int = 0
     skipped: int = 0
-    offset: int = 0
 
     def to_json(self) -> list[int]:
-        return [
-            self.epoch,
-            self.window,
-            self.unit,
-            self.row,
-            self.docs,
-            self.tokens,
-            self.skipped,
-            self.offset,
-        ]
+        return [self.epoch, self.unit, self.row, self.docs, self.tokens, self.skipped]
 
     @staticmethod
-    def from_json(v: list[int]) -> Cursor:
-        return Cursor(*(int(x) for x in v))
+    def from_json(v: list[int]) -> SourcePos:
+        return SourcePos(*(int(x) for x in v))
+
+
+# DocSource state keys
+POSITION = "position"  # SourcePos.to_json()
+REPORTED = "reported"  # (epoch, unit, row) of the last record read: rejects up to it were reported
 
 
 @dataclass
@@ -104,20 +99,13 @@ class Reject:
         }
 
 
-FIRST_WINDOW = 8
+class DocSource:
+    """One stream's good documents in read order: `repeat` epochs, stopping early at
+    `max_tokens`. A stage (pipeline/stage.py): each doc's `cursor` is the SourcePos before it.
 
-
-def window_size(window: int, k: int) -> int:
-    """Window k of an epoch holds min(window, 8 * 2^k) documents.
-
-    The ramp lets the first documents of an epoch out after 8 are read instead of `window`
-    (the first batch comes sooner); from the fifth or so window on, windows are full size.
+    Reading runs ahead in the executor (Ray Data or in-process); `start()` begins it before
+    the first document is asked for, so that every stream of a feed reads concurrently.
     """
-    return min(window, FIRST_WINDOW << min(k, 40))
-
-
-class StreamDocs:
-    """Iterate one stream's documents: `repeat` epochs, stopping early at `max_tokens`."""
 
     LENGTH_SAMPLE = 100_000  # doc lengths kept for the length distribution
 
@@ -128,8 +116,6 @@ class StreamDocs:
         cfg: Config,
         executor: Executor,
         on_reject: Callable[[Reject], None] | None = None,
-        start: Cursor | None = None,
-        reported: tuple[int, int, int] | None = None,
         first_executor: Executor | None = None,
     ):
         self.name, self.index, self.cfg = name, index, cfg
@@ -143,25 +129,34 @@ class StreamDocs:
         self._early: Iterator[pa.Table] | None = None
         self._next_epoch: tuple[int, Iterator[pa.Table]] | None = None
         self._current: Iterator[pa.Table] | None = None
-        self.start_cursor = start or Cursor()
-        self.next_cursor = self.start_cursor
-        c = self.counters
-        c.docs, c.tokens, c.skipped = (
-            self.start_cursor.docs,
-            self.start_cursor.tokens,
-            self.start_cursor.skipped,
-        )
-        c.epochs_started = min(self.start_cursor.epoch + (start is not None), self.stream.repeat)
-        # Rejects at read positions before this mark were reported before a resume.
-        self.reported = reported or (-1, -1, -1)
+        self._rows: Iterator[Doc] | None = None  # the current epoch's good documents
+        self.start_pos = self.pos = SourcePos()
+        self.done = False
+        # Rejects at read positions up to this mark were reported (also before a resume).
+        self.reported: tuple[int, ...] = (-1, -1, -1)
         self.read_mark = self.reported
         self.first_block_at: float | None = None  # time.monotonic() of the first block in
-        self.first_reads = None
+        self.first_reads: Iterator[pa.Table] | None = None
+
+    # -- state (pipeline/stage.py) ------------------------------------------------------------
+
+    def get_state(self, at: SourcePos | None = None) -> dict:
+        return {POSITION: (at or self.pos).to_json(), REPORTED: list(self.read_mark)}
+
+    def set_state(self, state: dict) -> None:
+        assert self._early is None and self._rows is None, "set_state after reading began"
+        self.start_pos = self.pos = SourcePos.from_json(state[POSITION])
+        self.reported = self.read_mark = tuple(state[REPORTED])
+        c, cap = self.counters, self.stream.max_tokens
+        c.docs, c.tokens, c.skipped = self.pos.docs, self.pos.tokens, self.pos.skipped
+        c.epochs_started = min(self.pos.epoch + 1, self.stream.repeat)
+        c.capped = cap is not None and c.tokens >= cap
+        self.done = self.pos.epoch >= self.stream.repeat or c.capped
 
     def start(self) -> None:
         """Begin reading now (the Ray executor starts work on construction)."""
-        if self._early is None:
-            c = self.start_cursor
+        if self._early is None and not self.done:
+            c = self.start_pos
             self._early = self.first_executor(
                 self.units(c.epoch)[c.unit :], self.stream, self.cfg.tokenizer
             )
@@ -176,7 +171,7 @@ class StreamDocs:
         self._current = self._early = self._next_epoch = None
 
     def _blocks(self, epoch: int, unit: int) -> Iterator[pa.Table]:
-        c = self.start_cursor
+        c = self.start_pos
         if self._early is not None and (epoch, unit) == (c.epoch, c.unit):
             blocks, self._early = self._early, None
         elif self._next_epoch is not None and self._next_epoch[0] == epoch and unit == 0:
@@ -199,17 +194,21 @@ class StreamDocs:
     def files(self) -> list[str]:
         """The sorted file list that `file_index` refers to (MDS: shards, not indexes)."""
         if self._files is None:
-            if self.stream.format == "mds":
-                self._files = [path for path, _ in list_mds_shards(self.stream.paths)]
-            else:
-                self._files = list(self.stream.paths)
+            access = Access.of(self.stream)
+            assert self.stream.format is not None  # load_config resolves every stream's format
+            self._files = data_files(list(self.stream.paths), self.stream.format, access)
         return self._files
 
     def pieces(self) -> list[list[Piece]]:
         if self._pieces is None:
             read = self.cfg.read
+            assert self.stream.format is not None  # load_config resolves every stream's format
             self._pieces = plan_pieces(
-                self.stream.paths, self.stream.format, read.piece_bytes, read.max_record_bytes
+                self.stream.paths,
+                self.stream.format,
+                read.piece_bytes,
+                read.max_record_bytes,
+                Access.of(self.stream),
             )
         return self._pieces
 
@@ -224,37 +223,23 @@ class StreamDocs:
             flat, read.block_bytes, read.first_block_bytes if epoch == 0 else read.block_bytes
         )
 
-    def __iter__(self) -> Iterator[Doc]:
-        c, W = self.counters, self.cfg.shuffle.window
-        cur = self.start_cursor
-        for epoch in range(cur.epoch, self.stream.repeat):
-            c.epochs_started = epoch + 1
-            fresh = epoch != cur.epoch
-            k = 0 if fresh else cur.window
-            self._pos = (0, 0) if fresh else (cur.unit, cur.row)
-            skip = 0 if fresh else cur.offset
-            rows = self._good_rows(epoch, *self._pos)
-            while True:
-                at = Cursor(epoch, k, *self._pos, c.docs, c.tokens, c.skipped, 0)
-                window = [doc for _, doc in zip(range(window_size(W, k)), rows, strict=False)]
-                if not window:
-                    break
-                order = (
-                    window_permutation(len(window), self.cfg.seed, self.name, epoch, k)
-                    if W > 1
-                    else range(1)
-                )
-                for j in range(skip, len(window)):
-                    doc = window[order[j]]
-                    doc.cursor = replace(at, offset=j)
-                    self.next_cursor = replace(at, offset=j + 1)
-                    yield doc
-                skip, k = 0, k + 1
-                if c.capped:
-                    return
-            self.next_cursor = Cursor(epoch + 1, docs=c.docs, tokens=c.tokens, skipped=c.skipped)
-            if c.capped:
-                return
+    def __iter__(self) -> DocSource:
+        return self
+
+    def __next__(self) -> Doc:
+        while not self.done:
+            if self._rows is None:
+                p = self.pos
+                self.counters.epochs_started = p.epoch + 1
+                self._rows = self._good_rows(p.epoch, p.unit, p.row)
+            doc = next(self._rows, None)
+            if doc is not None:
+                return doc
+            self._rows = None
+            c = self.counters
+            self.done = c.capped or self.pos.epoch + 1 >= self.stream.repeat
+            self.pos = SourcePos(self.pos.epoch + 1, 0, 0, c.docs, c.tokens, c.skipped)
+        raise StopIteration
 
     def _good_rows(self, epoch: int, unit0: int, row0: int) -> Iterator[Doc]:
         """Good documents in read order from read position (unit0, row0); rejects handled."""
@@ -264,44 +249,46 @@ class StreamDocs:
         for block in self._blocks(epoch, unit0):
             self.first_block_at = self.first_block_at or time.monotonic()
             for batch in block.to_batches():
-                units = batch.column("unit").to_numpy()
-                ids = batch.column("doc_id").to_numpy()
+                units = view(batch.column("unit"))
+                ids = view(batch.column("doc_id"))
                 toks = batch.column("tokens")
-                offsets = toks.offsets.to_numpy()
-                values = toks.values.to_numpy()
+                offsets = view(toks.offsets)
+                values = view(toks.values)
                 loss_col = batch.column("loss")
                 has_loss = loss_col.null_count < len(loss_col)
-                loss_values = loss_col.values.to_numpy() if has_loss else None
-                loss_offsets = loss_col.offsets.to_numpy() if has_loss else None
-                backends = batch.column("backend").to_numpy()
+                loss_values = view(loss_col.values) if has_loss else None
+                loss_offsets = view(loss_col.offsets) if has_loss else None
+                backends = view(batch.column("backend"))
                 per_backend = c.backend_tokens
                 errors = batch.column("error")
-                bad = (
-                    errors.is_valid().to_numpy(zero_copy_only=False)
-                    if errors.null_count < len(errors)
-                    else None
-                )
+                bad = valid(errors) if errors.null_count < len(errors) else None
                 for i in range(len(ids)):
                     if units[i] != unit:
                         unit, row = int(units[i]), 0
                     here, row = row, row + 1
                     if unit == unit0 and here < row0:
                         continue  # before the resume point
-                    self._pos = (unit, row)
                     mark = (epoch, unit, here)
                     if bad is not None and bad[i]:
                         self._reject(int(ids[i]), errors[i].as_py(), report=mark > self.reported)
                         self.read_mark = max(self.read_mark, mark)
+                        self.pos = SourcePos(epoch, unit, row, c.docs, c.tokens, c.skipped)
                         continue
                     self.read_mark = max(self.read_mark, mark)
                     a, b = offsets[i], offsets[i + 1]
-                    loss = loss_values[loss_offsets[i] : loss_offsets[i + 1]] if has_loss else None
+                    loss = (
+                        loss_values[loss_offsets[i] : loss_offsets[i + 1]]
+                        if loss_values is not None and loss_offsets is not None  # has_loss
+                        else None
+                    )
+                    before = SourcePos(epoch, unit, here, c.docs, c.tokens, c.skipped)
                     c.docs += 1
                     c.tokens += int(b - a)
                     per_backend[backends[i]] += int(b - a)
                     if len(c.lengths) < self.LENGTH_SAMPLE:
                         c.lengths.append(int(b - a))
-                    yield Doc(self.index, int(ids[i]), values[a:b], loss)
+                    self.pos = SourcePos(epoch, unit, row, c.docs, c.tokens, c.skipped)
+                    yield Doc(self.index, int(ids[i]), values[a:b], loss, before)
                     if cap is not None and c.tokens >= cap:
                         c.capped = True
                         return

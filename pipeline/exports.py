@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.arrays import numeric, view
 from pipeline.schema import IGNORE, batch_schema
 
 LAYOUTS = ("compact", "full")
@@ -63,7 +64,7 @@ def expand(batch: pa.RecordBatch) -> pa.RecordBatch:
     if "labels" in batch.schema.names:
         labels = batch.column("labels")
     else:
-        ids = batch.column("input_ids").flatten().to_numpy()
+        ids = view(batch.column("input_ids").flatten())
         labels = _fixed(_derived_labels(ids, segments, starts), L)
     meta = {k: v for k, v in (batch.schema.metadata or {}).items() if k != LAYOUT_KEY}
     cols = {
@@ -84,7 +85,7 @@ def _with_labels(batch: pa.RecordBatch) -> pa.RecordBatch:
         return batch
     L = batch.column("input_ids").type.list_size
     _, segments, starts = _positions(batch.column("seq_lens"), batch.num_rows, L)
-    ids = batch.column("input_ids").flatten().to_numpy()
+    ids = view(batch.column("input_ids").flatten())
     labels = _fixed(_derived_labels(ids, segments, starts), L)
     field = batch_schema(L).field("labels")
     return batch.add_column(1, field, labels)
@@ -113,8 +114,8 @@ def expand_table(table: pa.Table) -> pa.RecordBatch:
 
 def _positions(lens_col: pa.ListArray, n_rows: int, L: int):
     """(position_ids, segment_ids, first-token flags) as flat int32/bool arrays of n_rows * L."""
-    lens = lens_col.flatten().to_numpy().astype(np.int64)
-    counts = np.diff(lens_col.offsets.to_numpy()).astype(np.int64)
+    lens = view(lens_col.flatten()).astype(np.int64)
+    counts = np.diff(view(lens_col.offsets)).astype(np.int64)
     positions = np.zeros(n_rows * L, dtype=np.int32)
     segments = np.zeros(n_rows * L, dtype=np.int32)
     starts = np.zeros(n_rows * L, dtype=bool)
@@ -147,12 +148,12 @@ def _derivable_labels_equal(batch: pa.RecordBatch) -> bool:
     tokens besides (pipeline/schema.py). So they equal the derived ones exactly when they hold
     no more -100s than first tokens plus padding: one count, no derivation per step.
     """
-    lens = batch.column("seq_lens").flatten().to_numpy()
+    lens = view(batch.column("seq_lens").flatten())
     L = batch.column("input_ids").type.list_size
     expected = int(np.count_nonzero(lens)) + batch.num_rows * L - int(lens.sum())
-    labels = batch.column("labels").flatten().to_numpy()
+    labels = view(batch.column("labels").flatten())
     return int(np.count_nonzero(labels == IGNORE)) == expected
 
 
 def _fixed(a: np.ndarray, L: int) -> pa.Array:
-    return pa.FixedSizeListArray.from_arrays(pa.array(a), L)
+    return pa.FixedSizeListArray.from_arrays(numeric(a), L)

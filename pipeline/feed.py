@@ -1,6 +1,6 @@
 """The feed: one deterministic global row sequence, cut into global steps of G rows.
 
-    per-stream documents (Ray Data read+tokenize, windowed shuffle)
+    per-stream documents (DocSource: Ray Data read+tokenize; WindowShuffle)
         -> deficit mixer + packer (concat | bfd)
         -> global step s = G rows, an Arrow record batch
         -> rank r of W gets rows [r*G/W, (r+1)*G/W) of step s
@@ -17,67 +17,61 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import Config
-from pipeline.documents import Cursor, Reject, StreamDocs
+from pipeline.documents import DocSource, Reject
 from pipeline.mixing import DeficitMixer
-from pipeline.packing import make_packer
-from pipeline.reading import Executor, iter_blocks_local, iter_blocks_ray
+from pipeline.packing import Row, make_packer
+from pipeline.reading import Executor, iter_blocks_ray
 from pipeline.schema import build_batch, with_metadata
-from pipeline.states import STATE_VERSION, check_state, seal
-from pipeline.stats import describe_lengths
-from pipeline.tokenization import BACKEND_NAMES, load_tokenizer
-
-
-def default_executor(local: bool) -> Executor:
-    return iter_blocks_local if local else iter_blocks_ray
+from pipeline.shuffle import WindowShuffle
+from pipeline.states import (
+    CONFIG_HASH,
+    DOCS_EMITTED,
+    FEED,
+    FINISHED,
+    PACKER,
+    REAL_TOKENS,
+    ROWS,
+    STATE_VERSION,
+    STEP,
+    VERSION,
+    check_state,
+    seal,
+)
+from pipeline.summary import RunSummary, summarize
+from pipeline.tokenization import load_tokenizer
 
 
 class Feed:
-    """The global step sequence of a config. `executor` reads and tokenizes (default: Ray
-    Data, or in-process with `local`); `first_executor`, if given, makes each stream's first
-    read instead (e.g. reading.with_head_start: this process tokenizes until the workers
-    deliver)."""
+    """The global step sequence of a config. `executor` reads and tokenizes: Ray Data
+    (`reading.iter_blocks_ray`, the default) or this process (`reading.iter_blocks_local`);
+    `first_executor`, if given, makes each stream's first read instead (e.g.
+    `reading.with_head_start`: this process tokenizes until the workers deliver)."""
 
     def __init__(
         self,
         cfg: Config,
-        local: bool = False,
+        executor: Executor = iter_blocks_ray,
+        first_executor: Executor | None = None,
+        *,
         on_reject: Callable[[Reject], None] | None = None,
         state: dict | None = None,
         allow_config_change: bool = False,
-        executor: Executor | None = None,
-        first_executor: Executor | None = None,
     ):
         self.cfg = cfg
         self.names = list(cfg.streams)
         self.rejects: list[Reject] = []
         self.config_hash = cfg.config_hash()
-        if state is not None:
-            check_state(state, self.config_hash, self.names, allow_config_change)
-        executor = executor or default_executor(local)
-        first = first_executor or executor
         sink = on_reject or self.rejects.append
-        self.streams = []
-        for i, n in enumerate(self.names):
-            start = reported = None
-            if state is not None:
-                st = state["streams"][n]
-                start, reported = Cursor.from_json(st["restart"]), tuple(st["reported"])
-            self.streams.append(StreamDocs(n, i, cfg, executor, sink, start, reported, first))
-        for s in self.streams:
-            s.start()  # every stream's reading begins now, concurrently
-        self.mixer = DeficitMixer(self.names, {n: s.weight for n, s in cfg.streams.items()})
+        self.streams = [DocSource(n, i, cfg, executor, sink, first_executor)
+                        for i, n in enumerate(self.names)]  # fmt: skip
+        shuffled = {s.name: WindowShuffle(s, cfg.shuffle.window, cfg.seed, s.name)
+                    for s in self.streams}  # fmt: skip
+        weights = {n: s.weight for n, s in cfg.streams.items()}
+        self.mixer = DeficitMixer(self.names, weights, cfg.mixing.on_exhausted)
         for entry in cfg.schedule:
             self.mixer.schedule(entry.step, entry.weights, source="schedule")
-        self.packer = make_packer(
-            cfg.packing.mode,
-            cfg.seq_len,
-            cfg.packing.overflow,
-            [iter(s) for s in self.streams],
-            self.mixer,
-            cfg.mixing.on_exhausted,
-            cfg.packing.buffer,
-            ramp_rows=cfg.global_batch_size,
-        )
+        self.packer = make_packer(cfg.packing.mode, cfg.seq_len, cfg.packing.overflow, shuffled,
+                                  self.mixer, cfg.packing.buffer, ramp_rows=cfg.global_batch_size)  # fmt: skip
         self.pad_id = load_tokenizer(cfg.tokenizer).pad_id
         # False: steps in the compact layout (pipeline/exports.py), as the export writes them.
         self.full_batches = True
@@ -89,56 +83,59 @@ class Feed:
         self.first_step_at: float | None = None
         self.finished = False
         if state is not None:
-            self._restore(state, allow_config_change)
+            state = check_state(state, self.config_hash, self.names, allow_config_change,
+                                cfg.packing.mode)  # fmt: skip
+            self.set_state(state)
+        for s in self.streams:
+            s.start()  # every stream's reading begins now, concurrently
+        self.packer.replay()  # a resume's held documents (a changed source fails here)
 
-    # -- resumable state (SPEC M7) ------------------------------------------------------------
+    # -- resumable state (SPEC M7; pipeline/stage.py) ----------------------------------------
 
-    def state(self) -> dict:
+    def get_state(self) -> dict:
         """The state as of now: a resumed feed produces step `state["step"]` next.
 
-        Small JSON: per-stream cursors, mixer counters and weight history, and the packer's
-        buffer as arrival numbers to be rebuilt by replay. Never tokens.
+        Small JSON: the packer's state (which nests the mixer's and, per stream, the shuffle
+        window's and the read position's) and the feed's counters. Never tokens.
         """
-        nexts = [s.next_cursor for s in self.streams]
-        packer = self.packer.state(nexts)
-        restart = packer.pop("restart")
         return seal(
             {
-                "version": STATE_VERSION,
-                "config_hash": self.config_hash,
-                "step": self.step,
-                "streams": {
-                    n: {
-                        "restart": (restart[i] or nexts[i]).to_json(),
-                        "next": nexts[i].to_json(),
-                        "reported": list(self.streams[i].read_mark),
-                    }
-                    for i, n in enumerate(self.names)
-                },
-                "packer": packer,
-                "mixer": self.mixer.state(),
-                "feed": {
-                    "rows": self.rows,
-                    "real_tokens": self.real_tokens,
-                    "docs_emitted": self.docs_emitted.tolist(),
-                    "finished": self.finished,
+                VERSION: STATE_VERSION,
+                CONFIG_HASH: self.config_hash,
+                STEP: self.step,
+                PACKER: self.packer.get_state(),
+                FEED: {
+                    ROWS: self.rows,
+                    REAL_TOKENS: self.real_tokens,
+                    DOCS_EMITTED: dict(zip(self.names, self.docs_emitted.tolist(), strict=True)),
+                    FINISHED: self.finished,
                 },
             }
         )
 
-    def _restore(self, state: dict, allow_config_change: bool) -> None:
-        self.mixer.restore(state["mixer"])
-        self.packer.restore(state["packer"])
-        f = state["feed"]
-        self.step = int(state["step"])
-        self.rows, self.real_tokens = int(f["rows"]), int(f["real_tokens"])
-        self.docs_emitted = np.array(f["docs_emitted"], dtype=np.int64)
-        self.finished = bool(f["finished"])
-        if state["config_hash"] != self.config_hash and allow_config_change:
-            # The config's weights take over from the resume step; the change is recorded.
-            self.mixer.schedule(
-                self.step, {n: s.weight for n, s in self.cfg.streams.items()}, "resume"
-            )
+    def set_state(self, state: dict) -> None:
+        """Resume from a state checked by `states.check_state` (of this version). With a
+        changed config (`allow_config_change`), the config's weights take over from the resume
+        step, recorded in the mixture history; streams it adds start from their beginning."""
+        self.packer.set_state(state[PACKER])
+        f = state[FEED]
+        self.step = int(state[STEP])
+        self.rows, self.real_tokens = int(f[ROWS]), int(f[REAL_TOKENS])
+        emitted = f[DOCS_EMITTED]
+        self.docs_emitted = np.array([emitted.get(n, 0) for n in self.names], dtype=np.int64)
+        self.finished = bool(f[FINISHED])
+        if state[CONFIG_HASH] != self.config_hash:
+            weights = {n: s.weight for n, s in self.cfg.streams.items()}
+            self.mixer.schedule(self.step, weights, "resume")
+
+    def __iter__(self) -> Feed:
+        return self
+
+    def __next__(self) -> pa.RecordBatch:
+        batch = self.next_step()
+        if batch is None:
+            raise StopIteration
+        return batch
 
     def next_step(self) -> pa.RecordBatch | None:
         """The next global step (G rows; the last may be short), or None when the data ends."""
@@ -146,7 +143,7 @@ class Feed:
             return None
         G = self.cfg.global_batch_size
         self.mixer.begin_step(self.step)
-        rows = []
+        rows: list[Row] = []
         while len(rows) < G:
             row = self.packer.next_row()
             if row is None:
@@ -190,85 +187,8 @@ class Feed:
         for s in self.streams:
             s.close()
 
-    def summary(self) -> dict:
-        now = time.monotonic()
-        L = self.cfg.seq_len
-        target = self.mixer.scheduled_weights(max(self.step - 1, 0))
-        realized = self.mixer.realized()
-        arrivals = [s.first_block_at for s in self.streams if s.first_block_at is not None]
-        streams = {}
-        for i, (name, s) in enumerate(zip(self.names, self.streams, strict=True)):
-            c, p = s.counters, self.packer.counters[i]
-            streams[name] = {
-                "tokens": int(self.mixer.placed[i]),
-                "docs": int(self.docs_emitted[i]),
-                "docs_read": c.docs,
-                "tokens_read": c.tokens,
-                "skipped": c.skipped,
-                "split": p.split,
-                "truncated": p.truncated,
-                "dropped": p.dropped,
-                "truncated_tokens": p.truncated_tokens,
-                "dropped_tokens": p.dropped_tokens,
-                "target_share": float(target[i]),
-                "realized_share": realized[self.names[i]],
-                "epochs_started": c.epochs_started,
-                "backend_tokens": dict(zip(BACKEND_NAMES, c.backend_tokens, strict=True)),
-                "length": describe_lengths(np.asarray(c.lengths, dtype=np.int64)),
-            }
-        return {
-            "steps": self.step,
-            "rows": self.rows,
-            "seq_len": L,
-            "global_batch_size": self.cfg.global_batch_size,
-            "real_tokens": self.real_tokens,
-            "packing_efficiency": self.real_tokens / (self.rows * L) if self.rows else 0.0,
-            "streams": streams,
-            "skipped": {
-                n: s.counters.skipped for n, s in zip(self.names, self.streams, strict=True)
-            },
-            "mixture_history": [c.as_dict() for c in self.mixer.history],
-            "exhausted": list(self.packer.exhausted_log),
-            "elapsed_s": now - self.started,
-            "time_to_first_step_s": (self.first_step_at - self.started)
-            if self.first_step_at
-            else None,
-            # When the first tokenized block reached the feed (time.monotonic()); the export's
-            # steady rate is measured from here (service/export.py `_timings`).
-            "first_block_at": min(arrivals) if arrivals else None,
-            # With a head start: when its first block was made here, and the executor's.
-            "first_reads_at": _first_reads_at(self.streams),
-            # Which tokenizer backend produced the tokens read (`hf_fallback`: batches whose
-            # verification sample disagreed with the fast backend, re-encoded by HF).
-            "tokenizer_backend": {
-                name: sum(s.counters.backend_tokens[k] for s in self.streams)
-                for k, name in enumerate(BACKEND_NAMES)
-            },
-            "config_hash": self.config_hash,
-            # What was proven at load about the fast backend (docs/architecture.md,
-            # "Tokenizer backends"); null when it was not considered (backend hf).
-            "tokenizer_guarantees": self._guarantees(),
-        }
-
-    def _guarantees(self) -> dict | None:
-        g = load_tokenizer(self.cfg.tokenizer).guarantees
-        return None if g is None else g.as_dict() | {"proven": g.proven}
-
-
-def _first_reads_at(streams) -> dict:
-    """With a head start (headstart.HeadStart): when each side's first block came, and how
-    many tokens each side made in the streams' first reads."""
-    head, worker, made = [], [], {"here": 0, "executor": 0}
-    for s in streams:
-        first_at = getattr(s.first_reads, "first_at", None)
-        if callable(first_at):
-            h, w = first_at()
-            head += [h] if h is not None else []
-            worker += [w] if w is not None else []
-            for k, v in s.first_reads.tokens.items():
-                made[k] += v
-    return {"head": min(head, default=None), "executor": min(worker, default=None),
-            "tokens": made}  # fmt: skip
+    def summary(self) -> RunSummary:
+        return summarize(self)
 
 
 def rank_slice(
@@ -301,6 +221,6 @@ def next_steps(
         batch = feed.next_step()
         if batch is None:
             break
-        state = feed.state() if state_every and feed.step % state_every == 0 else None
+        state = feed.get_state() if state_every and feed.step % state_every == 0 else None
         out.append((batch, state))
     return out

@@ -28,10 +28,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 import numpy as np
 
+from pipeline.arrays import view
 from pipeline.config import StreamConfig, TokenizerConfig
 
 BACK_UNITS = 2  # the executor's warm-up run, from the back
@@ -109,12 +110,16 @@ class HeadStart:
 
     def _run_executor(self) -> None:
         if self.ready is not None:
+            while not self.ready.done():  # a run the local thread finished does not wait for Ray
+                wait([self.ready], timeout=0.2)
+                if self._stop:
+                    return
             self.ready.result()  # Ray failed to come up: the run fails with its error
         with self._cond:
             if self._back - self._front < MIN_UNITS_FOR_EXECUTOR:
                 return
             self._back -= BACK_UNITS
-            runs = [self._start(range(self._back, self._back + BACK_UNITS))]
+            runs = self._start(range(self._back, self._back + BACK_UNITS))
         size = FIRST_RUN_UNITS
         while runs and not self._stop:
             first = True
@@ -126,13 +131,13 @@ class HeadStart:
                             self._cond.wait(0.5)
                         claimed = self._claim_front(size)
                     if claimed:
-                        runs.append(self._start(claimed))
+                        runs += self._start(claimed)
                         size = min(size * 2, MAX_RUN_UNITS)
             if not runs:  # claim what is left, if anything
                 with self._cond:
                     claimed = self._claim_front(size)
                 if claimed:
-                    runs.append(self._start(claimed))
+                    runs += self._start(claimed)
 
     def _drain(self, positions: range, blocks):
         """Deposit a run's units as their blocks come (yielding after each block).
@@ -140,7 +145,8 @@ class HeadStart:
         Blocks arrive in unit order; a unit may come in several blocks, or in none if it had
         no records. A unit is complete once a later unit's rows (or the run's end) arrive."""
         position_of = {self.units[p].index: p for p in positions}
-        at, parts = positions.start, []
+        at = positions.start
+        parts: list = []  # one unit's tables (pyarrow.Table), as `_put` takes them
         for table in blocks:
             if self._stop:
                 return
@@ -161,10 +167,16 @@ class HeadStart:
             self._put(at, parts)
             at, parts = at + 1, []
 
-    def _start(self, positions: range):
-        blocks = self.executor([self.units[p] for p in positions], self.stream, self.tok_cfg)
-        self._runs.append(blocks)
-        return positions, blocks
+    def _start(self, positions: range) -> list:
+        """[(positions, blocks)] of a new execution, or [] once closed: under the lock, so
+        that `close` sees every execution that ever started (one started as it closed
+        outlived the feed, its Ray Data execution running on)."""
+        with self._cond:
+            if self._stop:
+                return []
+            blocks = self.executor([self.units[p] for p in positions], self.stream, self.tok_cfg)
+            self._runs.append(blocks)
+            return [(positions, blocks)]
 
     # -- the consumer -----------------------------------------------------------------------
 
@@ -211,7 +223,7 @@ def _split_by_unit(table):
     """(unit index, rows of that unit) for each run of equal `unit` values in a block."""
     if table.num_rows == 0:
         return []
-    units = table.column("unit").to_numpy()
+    units = view(table.column("unit"))
     cuts = [0, *(np.flatnonzero(units[1:] != units[:-1]) + 1).tolist(), len(units)]
     return [(int(units[a]), table.slice(a, b - a)) for a, b in zip(cuts, cuts[1:], strict=False)]
 

@@ -64,16 +64,35 @@ class WeightChange:
         return {"step": self.step, "weights": self.weights, "source": self.source}
 
 
-class DeficitMixer:
-    """Chooses which stream supplies the next segment; tracks targets and realized tokens."""
+# DeficitMixer state keys; per-stream values are keyed by stream name
+HISTORY = "history"
+TARGET = "target"
+PLACED = "placed"
+ALIVE = "alive"
+WEIGHTS = "weights"
+STEP = "step"
+STOPPED = "stopped"
+EXHAUSTED = "exhausted"
 
-    def __init__(self, names: list[str], weights: Mapping[str, float]):
+
+class DeficitMixer:
+    """Chooses which stream supplies the next segment; tracks targets and realized tokens.
+
+    It also owns what happens when a stream runs out (`on_exhausted`): `stop` ends the run,
+    `renormalize` shares the exhausted stream's weight among the others. Either is recorded
+    in `exhausted_log`.
+    """
+
+    def __init__(self, names: list[str], weights: Mapping[str, float], on_exhausted: str = "stop"):
         self.names = list(names)
+        self.on_exhausted = on_exhausted
         self.history: list[WeightChange] = []
         self._add(0, weights, "config")
         self.target = np.zeros(len(names), dtype=np.float64)
         self.placed = np.zeros(len(names), dtype=np.int64)
         self.alive = np.ones(len(names), dtype=bool)
+        self.stopped = False  # a stream ran out under on_exhausted=stop (or all did)
+        self.exhausted_log: list[str] = []
         self._step = 0
         self._w = self._weights_for(0)
 
@@ -100,7 +119,12 @@ class DeficitMixer:
         for change in self.history:
             if change.step <= step:
                 current = change
-        return normalize_weights(current.weights, self.names)
+        assert current is not None  # history[0] is the config's weights, at step 0
+        # Before a resume that added or removed streams, the history names other streams.
+        known = {k: v for k, v in current.weights.items() if k in self.names}
+        if not any(known.values()):
+            return np.zeros(len(self.names), dtype=np.float64)
+        return normalize_weights(known, self.names)
 
     def _weights_for(self, step: int) -> np.ndarray:
         w = self.scheduled_weights(step) * self.alive
@@ -123,8 +147,18 @@ class DeficitMixer:
     def weights(self) -> np.ndarray:
         return self._w
 
-    def retire(self, stream: int) -> None:
-        """A stream is exhausted: renormalize the others from the current step on."""
+    def exhausted(self, stream: int) -> None:
+        """Stream `stream` has nothing left: stop the run or renormalize, per `on_exhausted`.
+        The others' weights are renormalized from the current step on either way."""
+        if not self.alive[stream]:
+            return
+        name = self.names[stream]
+        others = [i for i in range(len(self.names)) if i != stream and self.alive[i]]
+        if self.on_exhausted == "stop" or not others:
+            self.stopped = True
+            self.exhausted_log.append(f"stream {name!r} exhausted: stopping the run")
+        else:
+            self.exhausted_log.append(f"stream {name!r} exhausted: renormalizing the others")
         self.alive[stream] = False
         self._set(self._weights_for(self._step))
 
@@ -160,23 +194,33 @@ class DeficitMixer:
         self.placed[stream] += n
         self.target += self._w * n
 
-    def state(self) -> dict:
+    def get_state(self) -> dict:
+        def by_name(values) -> dict:
+            return dict(zip(self.names, values.tolist(), strict=True))
+
         return {
-            "history": [c.as_dict() for c in self.history],
-            "target": self.target.tolist(),
-            "placed": self.placed.tolist(),
-            "alive": self.alive.tolist(),
-            "weights": self._w.tolist(),
-            "step": self._step,
+            HISTORY: [c.as_dict() for c in self.history],
+            TARGET: by_name(self.target),
+            PLACED: by_name(self.placed),
+            ALIVE: by_name(self.alive),
+            WEIGHTS: by_name(self._w),
+            STEP: self._step,
+            STOPPED: self.stopped,
+            EXHAUSTED: list(self.exhausted_log),
         }
 
-    def restore(self, state: dict) -> None:
-        self.history = [WeightChange(**c) for c in state["history"]]
-        self.target = np.array(state["target"], dtype=np.float64)
-        self.placed = np.array(state["placed"], dtype=np.int64)
-        self.alive = np.array(state["alive"], dtype=bool)
-        self._w = np.array(state["weights"], dtype=np.float64)
-        self._step = int(state["step"])
+    def set_state(self, state: dict) -> None:
+        """Streams the state does not name (added at a resume) start at zero; streams it
+        names that are not here (removed) are left out."""
+        self.history = [WeightChange(**c) for c in state[HISTORY]]
+        for attr, key, default in (("target", TARGET, 0.0), ("placed", PLACED, 0),
+                                   ("alive", ALIVE, True), ("_w", WEIGHTS, 0.0)):  # fmt: skip
+            old = getattr(self, attr)
+            values = [state[key].get(n, default) for n in self.names]
+            setattr(self, attr, np.array(values, dtype=old.dtype))
+        self._step = int(state[STEP])
+        self.stopped = bool(state[STOPPED])
+        self.exhausted_log = list(state[EXHAUSTED])
 
     def realized(self) -> dict[str, float]:
         total = self.placed.sum()

@@ -25,14 +25,16 @@ has waited for more than 2 × `buffer` arrivals starts the next row of its strea
 from __future__ import annotations
 
 import bisect
+import copy
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.documents import Doc
 from pipeline.mixing import DeficitMixer
+from pipeline.stage import Stage
 
 
 @dataclass(slots=True)
@@ -93,26 +95,43 @@ class _Pool:
         return self.items.pop(arrival)
 
 
+# Packer state keys. Per stream, by name: STREAMS -> {name: {INPUT, DONE, COUNTERS, ...}}
+STREAMS = "streams"
+INPUT = "input"  # the stream's state at the oldest document the packer still holds
+DONE = "done"  # the stream has ended (as far as this packer pulled)
+COUNTERS = "counters"
+MIXER = "mixer"
+FINISHED = "finished"
+CONSUMED = "consumed"  # concat: tokens of the held document already placed (None: none held)
+BASE, ARRIVALS, POOL = "base", "arrivals", "pool"  # bfd: arrival numbers (see BfdPacker)
+ROWS = "rows"  # bfd: rows made (the pool grows with them)
+
+
 class Packer:
-    """Common part: pulling documents per stream, overflow handling, exhaustion policy."""
+    """Common part: pulling documents per stream, overflow handling, resumable state.
+
+    A stage (pipeline/stage.py) over one document stage per stream, keyed by name, and the
+    mixer. Its state nests, per stream, the stream's state at the oldest document the packer
+    still holds, and the mixer's; the held documents are rebuilt by replay on resume.
+    """
 
     def __init__(
-        self,
-        seq_len: int,
-        overflow: str,
-        sources: list[Iterator[Doc]],
-        mixer: DeficitMixer,
-        on_exhausted: str = "stop",
+        self, seq_len: int, overflow: str, sources: Mapping[str, Stage[Doc]], mixer: DeficitMixer
     ):
+        assert list(sources) == mixer.names, "the mixer's streams are the packer's"
         self.seq_len = seq_len
         self.overflow = overflow
-        self.sources = sources
+        self.names = list(sources)
+        self.sources = list(sources.values())
         self.mixer = mixer
-        self.on_exhausted = on_exhausted
-        self.counters = [PackCounters() for _ in sources]
-        self.source_done = [False] * len(sources)
-        self.finished = False  # set when the run must stop (exhaustion with on_exhausted=stop)
-        self.exhausted_log: list[str] = []
+        self.counters = [PackCounters() for _ in self.sources]
+        self.source_done = [False] * len(self.sources)
+        self.finished = False  # the run must stop (exhaustion with on_exhausted=stop)
+        self._resumed: dict | None = None  # a state set, replayed at the first row
+
+    @property
+    def exhausted_log(self) -> list[str]:
+        return self.mixer.exhausted_log
 
     def _pieces(self, doc: Doc) -> list[Segment]:
         n, L = len(doc), self.seq_len
@@ -143,49 +162,92 @@ class Packer:
         return None
 
     def _dry(self, s: int) -> None:
-        """Stream `s` has nothing left: stop the run or renormalize, per `on_exhausted`."""
-        if not self.mixer.alive[s]:
-            return
-        name = self.mixer.names[s]
-        others = [i for i in range(len(self.sources)) if i != s and self.mixer.alive[i]]
-        if self.on_exhausted == "stop" or not others:
-            self.finished = True
-            self.exhausted_log.append(f"stream {name!r} exhausted: stopping the run")
-        else:
-            self.exhausted_log.append(f"stream {name!r} exhausted: renormalizing the others")
-        self.mixer.retire(s)
+        """Stream `s` has nothing left: the mixer applies `on_exhausted`."""
+        self.mixer.exhausted(s)
+        self.finished = self.finished or self.mixer.stopped
+
+    def __iter__(self) -> Packer:
+        return self
+
+    def __next__(self) -> Row:
+        row = self.next_row()
+        if row is None:
+            raise StopIteration
+        return row
 
     def next_row(self) -> Row | None:
+        """The next row, or None when the data (or the run, on exhaustion) has ended."""
+        self.replay()
+        return self._row()
+
+    def replay(self) -> None:
+        """After `set_state`: pull the held documents again (done by the first `next_row`
+        otherwise; the feed calls it once every stream's reading has begun)."""
+        if self._resumed is not None:
+            state, self._resumed = self._resumed, None
+            for s, name in enumerate(self.names):
+                saved = state[STREAMS].get(name)
+                if saved is None:
+                    continue
+                self._replay(s, saved)
+                # The run had seen the stream end: so must the resumed one (its state, too).
+                if saved[DONE] and self._pull(s) is not None:
+                    raise ValueError(f"resume: stream {name!r} has documents past its end")
+                # as saved: replaying counted the held documents' overflow once more
+                self.counters[s] = PackCounters(**saved[COUNTERS])
+
+    def _row(self) -> Row | None:
         raise NotImplementedError
 
     # -- resumable state: counters plus what is needed to rebuild buffers by replay --------
 
-    def state(self, next_cursors: list) -> dict:
-        """JSON-able state; `next_cursors[s]` is stream s's cursor after its last pulled doc.
-
-        Returns it with "restart": per stream, the cursor a resumed stream must start from.
-        """
+    def get_state(self) -> dict:
+        if self._resumed is not None:  # set, not yet replayed: the state as it was set
+            return copy.deepcopy(self._resumed)
         return {
-            "source_done": list(self.source_done),
-            "finished": self.finished,
-            "exhausted_log": list(self.exhausted_log),
-            "counters": [c.as_dict() for c in self.counters],
-        }
+            STREAMS: {
+                name: {
+                    INPUT: self.sources[s].get_state(at=self._held_cursor(s)),
+                    DONE: self.source_done[s],
+                    COUNTERS: self.counters[s].as_dict(),
+                }
+                | self._stream_state(s)
+                for s, name in enumerate(self.names)
+            },
+            MIXER: self.mixer.get_state(),
+            FINISHED: self.finished,
+        } | self._own_state()
 
-    def restore(self, state: dict) -> None:
-        """Rebuild buffers by replay (sources must start at the state's restart cursors)."""
-        self._replay(state)
-        self.source_done = list(state["source_done"])
-        self.finished = state["finished"]
-        self.exhausted_log = list(state["exhausted_log"])
-        self.counters = [PackCounters(**c) for c in state["counters"]]
+    def set_state(self, state: dict) -> None:
+        """Position every stream at its oldest held document, and the mixer; the held
+        documents are pulled again (replayed) at the first row. A stream the state does not
+        name (added at a resume) starts fresh."""
+        for s, name in enumerate(self.names):
+            st = state[STREAMS].get(name)
+            if st is not None:
+                self.sources[s].set_state(st[INPUT])
+        self.mixer.set_state(state[MIXER])
+        self.finished = bool(state[FINISHED])
+        self._resumed = state
 
-    def _replay(self, state: dict) -> None:
+    def _held_cursor(self, s: int):
+        """The cursor of stream s's oldest document still held, or None (none held)."""
+        raise NotImplementedError
+
+    def _stream_state(self, s: int) -> dict:
+        """What this packing mode keeps per stream, besides the common part."""
+        return {}
+
+    def _own_state(self) -> dict:
+        """What this packing mode keeps for all streams."""
+        return {}
+
+    def _replay(self, s: int, state: dict) -> None:
         raise NotImplementedError
 
 
 class ConcatPacker(Packer):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._pending: list[deque[Segment]] = [deque() for _ in self.sources]
         self._pulled: list[int] = [0] * len(self.sources)  # tokens in the current doc's pieces
@@ -201,27 +263,22 @@ class ConcatPacker(Packer):
         self._pulled[s] = sum(p.length for p in pieces)
         return True
 
-    def state(self, next_cursors: list) -> dict:
-        out = super().state(next_cursors)
-        consumed, restart = [], []
-        for s, pending in enumerate(self._pending):
-            if pending:  # mid-document: re-pull it and skip what was already placed
-                consumed.append(self._pulled[s] - sum(p.length for p in pending))
-                restart.append(pending[0].doc.cursor)
-            else:
-                consumed.append(None)
-                restart.append(next_cursors[s])
-        return out | {"consumed": consumed, "restart": restart}
+    def _held_cursor(self, s: int):
+        pending = self._pending[s]
+        return pending[0].doc.cursor if pending else None
 
-    def _replay(self, state: dict) -> None:
-        for s, consumed in enumerate(state["consumed"]):
-            if consumed is None:
-                continue
+    def _stream_state(self, s: int) -> dict:
+        pending = self._pending[s]
+        # mid-document: re-pull it and skip what was already placed
+        consumed = self._pulled[s] - sum(p.length for p in pending) if pending else None
+        return {CONSUMED: consumed}
+
+    def _replay(self, s: int, state: dict) -> None:
+        consumed = state[CONSUMED]
+        if consumed is not None:
             pieces = self._pull(s)
             if pieces is None:
-                raise ValueError(
-                    f"resume: stream {self.mixer.names[s]!r} has no document at its cursor"
-                )
+                raise ValueError(f"resume: stream {self.names[s]!r} has no document at its cursor")
             self._pulled[s] = sum(p.length for p in pieces)
             pending = deque(pieces)
             while consumed > 0:
@@ -234,7 +291,7 @@ class ConcatPacker(Packer):
                     consumed = 0
             self._pending[s] = pending
 
-    def next_row(self) -> Row | None:
+    def _row(self) -> Row | None:
         row: Row = []
         room = self.seq_len
         while room > 0 and not self.finished:
@@ -302,61 +359,67 @@ class BfdPacker(Packer):
                 pool.add(int(self.arrivals[s]), p)
                 self.arrivals[s] += 1
 
-    def state(self, next_cursors: list) -> dict:
-        out = super().state(next_cursors)
-        pools, restart = [], []
-        for s, pool in enumerate(self.pools):
-            if pool:
-                oldest = min((p.doc for p in pool.items.values()), key=lambda d: d.arrival)
-                restart.append(oldest.cursor)
-                base = oldest.arrival
-            else:
-                restart.append(next_cursors[s])
-                base = int(self.arrivals[s])
-            pools.append(
-                {"base": base, "arrivals": int(self.arrivals[s]), "pool": sorted(pool.items)}
-            )
-        return out | {"pools": pools, "restart": restart, "rows": self.rows}
+    def _oldest(self, s: int) -> Doc | None:
+        pool = self.pools[s]
+        if not pool:
+            return None
+        return min((p.doc for p in pool.items.values()), key=lambda d: d.arrival)
 
-    def _replay(self, state: dict) -> None:
-        self.rows = int(state["rows"])
-        for s, saved in enumerate(state["pools"]):
-            keep = set(saved["pool"])
-            self.arrivals[s] = saved["base"]
-            while self.arrivals[s] < saved["arrivals"]:
-                pieces = self._pull(s)
-                if pieces is None:
-                    raise ValueError(
-                        f"resume: stream {self.mixer.names[s]!r} ended while replaying the "
-                        "documents its state buffers: its sources changed since the state was "
-                        "written (see the rejects)"
-                    )
-                pieces[0].doc.arrival = int(self.arrivals[s])
-                for p in pieces:
-                    if int(self.arrivals[s]) in keep:
-                        self.pools[s].add(int(self.arrivals[s]), p)
-                    self.arrivals[s] += 1
-            if self.arrivals[s] != saved["arrivals"] or len(self.pools[s]) != len(keep):
+    def _held_cursor(self, s: int):
+        oldest = self._oldest(s)
+        return oldest.cursor if oldest is not None else None
+
+    def _stream_state(self, s: int) -> dict:
+        """Arrival numbers: pieces `base`.. `arrivals` - 1 were pulled since the oldest held
+        document; `pool` lists those still held."""
+        oldest = self._oldest(s)
+        base = oldest.arrival if oldest is not None else int(self.arrivals[s])
+        return {BASE: base, ARRIVALS: int(self.arrivals[s]), POOL: sorted(self.pools[s].items)}
+
+    def _own_state(self) -> dict:
+        return {ROWS: self.rows}
+
+    def set_state(self, state: dict) -> None:
+        super().set_state(state)
+        self.rows = int(state[ROWS])
+
+    def _replay(self, s: int, saved: dict) -> None:
+        keep = set(saved[POOL])
+        self.arrivals[s] = saved[BASE]
+        while self.arrivals[s] < saved[ARRIVALS]:
+            pieces = self._pull(s)
+            if pieces is None:
                 raise ValueError(
-                    f"resume: stream {self.mixer.names[s]!r} replay does not match the state"
+                    f"resume: stream {self.names[s]!r} ended while replaying the documents its "
+                    "state buffers: its sources changed since the state was written (see the "
+                    "rejects)"
                 )
+            pieces[0].doc.arrival = int(self.arrivals[s])
+            for p in pieces:
+                if int(self.arrivals[s]) in keep:
+                    self.pools[s].add(int(self.arrivals[s]), p)
+                self.arrivals[s] += 1
+        if self.arrivals[s] != saved[ARRIVALS] or len(self.pools[s]) != len(keep):
+            raise ValueError(f"resume: stream {self.names[s]!r} replay does not match the state")
 
     def _first_piece(self, s: int) -> Segment:
         pool = self.pools[s]
         oldest = pool.oldest_arrival()
         if oldest < self.arrivals[s] - 2 * self.buffer:
             return pool.pop_arrival(oldest)
-        return pool.pop_largest_fitting(self.seq_len)
+        piece = pool.pop_largest_fitting(self.seq_len)
+        assert piece is not None  # s has a non-empty pool, and _pieces cuts pieces to seq_len
+        return piece
 
-    def next_row(self) -> Row | None:
+    def _row(self) -> Row | None:
         if self.finished:
             return None
         n = len(self.sources)
-        for s in range(n):
-            if self.mixer.alive[s] and self.mixer.weights[s] > 0:
-                self._top_up(s)
-                if not self.pools[s] and self.source_done[s]:
-                    self._dry(s)
+        for t in range(n):
+            if self.mixer.alive[t] and self.mixer.weights[t] > 0:
+                self._top_up(t)
+                if not self.pools[t] and self.source_done[t]:
+                    self._dry(t)
         if self.finished:
             return None
         live = [s for s in range(n) if self.mixer.alive[s] and self.pools[s]]
@@ -376,6 +439,7 @@ class BfdPacker(Packer):
             if i is None:
                 break
             piece = self.pools[i].pop_largest_fitting(room)
+            assert piece is not None  # i is in `fitting`: its shortest piece fits
             self._top_up(i)
             row.append(piece)
             self.mixer.place(i, piece.length)
@@ -385,11 +449,9 @@ class BfdPacker(Packer):
 
 
 def make_packer(
-    mode: str, seq_len: int, overflow: str, sources, mixer, on_exhausted: str, buffer: int,
-    ramp_rows: int = 1,
+    mode: str, seq_len: int, overflow: str, sources: Mapping[str, Stage[Doc]],
+    mixer: DeficitMixer, buffer: int, ramp_rows: int = 1,
 ) -> Packer:  # fmt: skip
     if mode == "concat":
-        return ConcatPacker(seq_len, overflow, sources, mixer, on_exhausted)
-    return BfdPacker(
-        seq_len, overflow, sources, mixer, on_exhausted, buffer=buffer, ramp_rows=ramp_rows
-    )
+        return ConcatPacker(seq_len, overflow, sources, mixer)
+    return BfdPacker(seq_len, overflow, sources, mixer, buffer=buffer, ramp_rows=ramp_rows)

@@ -33,9 +33,11 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from pipeline import formats
+from pipeline.arrays import numeric, strings
 from pipeline.chat import ChatEncoder, lone_surrogate, validate_messages
-from pipeline.config import StreamConfig, TokenizerConfig
-from pipeline.sources import WHOLE_FILE, Piece, read_piece
+from pipeline.config import REVEAL_SECRETS, StreamConfig, TokenizerConfig
+from pipeline.sources import WHOLE_FILE, Access, Piece, read_piece
 from pipeline.tokenization import BACKEND_NONE, LoadedTokenizer, load_tokenizer
 
 BLOCK_SCHEMA = pa.schema(
@@ -71,7 +73,9 @@ class Unit:
 
 def group_units(pieces: Iterable[Piece], block_bytes: int, first_block_bytes: int) -> list[Unit]:
     """Group consecutive pieces into units of about `block_bytes`, ramping up from the first."""
-    units, current, size = [], [], 0
+    units: list[Unit] = []
+    current: list[Piece] = []
+    size = 0
     target = min(first_block_bytes, block_bytes)
     for p in pieces:
         current.append(p)
@@ -104,7 +108,18 @@ def validate_text(value) -> tuple[str | None, str | None]:
 
 
 def record_field(stream: StreamConfig) -> str:
+    if stream.tokens_field is not None:
+        return stream.tokens_field
     return stream.messages_field if stream.kind == "chat" else stream.text_field
+
+
+def read_spec(stream: StreamConfig) -> formats.ReadSpec:
+    return formats.ReadSpec(
+        record_field(stream),
+        tokens=stream.tokens_field is not None,
+        tokens_dtype=stream.tokens_dtype,
+        access=Access.of(stream),
+    )
 
 
 def validate_tokens(value) -> tuple[tuple | None, str | None]:
@@ -114,18 +129,56 @@ def validate_tokens(value) -> tuple[tuple | None, str | None]:
     return value, None
 
 
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def token_ids(value, dtype: str | None) -> tuple[tuple | None, str | None]:
+    """A `tokens_field` value as (int32 ids, None), or the reason it is not token ids.
+
+    Takes a list of ints, an integer numpy array (MDS `ndarray:*`, Arrow `list<int>`), or raw
+    bytes read as `dtype` (MDS `bytes`, as LLM-Foundry's `--concat_tokens` wrote int64).
+    """
+    if value is None:
+        return None, "field is null"
+    if isinstance(value, bytes | bytearray | memoryview):
+        if dtype is None:
+            return None, "field holds raw bytes; set tokens_dtype (e.g. int64) to read them"
+        width = np.dtype(dtype).itemsize
+        if len(value) % width:
+            return None, f"{len(value)} bytes is not a whole number of {dtype} token ids"
+        ids = np.frombuffer(value, dtype=dtype)
+    elif isinstance(value, np.ndarray | list | tuple):
+        try:
+            ids = np.asarray(value)
+        except (ValueError, OverflowError) as e:
+            return None, f"field is not a list of token ids ({e})"
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            return None, f"field holds {ids.dtype} values of shape {ids.shape}, expected token ids"
+    else:
+        return None, f"field has type {type(value).__name__}, expected token ids"
+    if ids.size == 0:
+        return None, "empty document"
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi > _INT32_MAX:
+        return None, f"token id {lo if lo < 0 else hi} is out of range"
+    return (ids.astype(np.int32), None), None
+
+
 def validator(stream: StreamConfig):
-    if stream.format == "export":
+    if stream.tokens_field is not None:
+        return functools.partial(token_ids, dtype=stream.tokens_dtype)
+    assert stream.format is not None  # load_config resolves every stream's format
+    if formats.get(stream.format).pretokenized:
         return validate_tokens
     return validate_messages if stream.kind == "chat" else validate_text
 
 
 def iter_records(unit: Unit, stream: StreamConfig):
     """Yield (doc_id, value | None, error | None) for every record of the unit, validated."""
-    field, validate = record_field(stream), validator(stream)
+    spec, validate = read_spec(stream), validator(stream)
     for piece in unit.pieces:
         base = piece.file_index << 32
-        for rec, value, err in read_piece(piece, field):
+        for rec, value, err in read_piece(piece, spec):
             if err is None:
                 value, err = validate(value)
             yield base | rec, value, err
@@ -192,14 +245,10 @@ def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.
     backends = np.zeros(len(ids), dtype=np.int8)
     flats: list[np.ndarray] = []
     losses: list[np.ndarray] | None = None
-    if stream.format == "export":  # pre-tokenized: the ids (EOS included) are used as they are
+    assert stream.format is not None  # load_config resolves every stream's format
+    if formats.is_pretokenized(stream.format, stream.tokens_field):
         losses = [] if stream.kind == "chat" else None
-        for row, (toks, loss) in zip(rows, values, strict=True):
-            flats.append(toks)
-            if losses is not None:
-                losses.append(loss)
-            lens[row] = len(toks)
-            backends[row] = BACKEND_NONE
+        _pretokenized(rows, values, stream, tok, errors, lens, backends, flats, losses)
     elif stream.kind == "chat":
         losses = []
         encoder = _chat_encoder(tok)
@@ -223,38 +272,71 @@ def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
     values_arr = np.concatenate(flats) if flats else np.zeros(0, dtype=np.int32)
-    tokens = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(values_arr))
+    tokens = pa.LargeListArray.from_arrays(numeric(offsets), numeric(values_arr))
     if losses is None:
         loss = pa.nulls(len(ids), pa.large_list(pa.int8()))
     else:
         loss_values = np.concatenate(losses) if losses else np.zeros(0, dtype=np.int8)
-        loss = pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(loss_values))
-    return pa.table(
-        {
-            "unit": pa.array(np.full(len(ids), unit.index, dtype=np.int32)),
-            "doc_id": pa.array(np.asarray(ids, dtype=np.uint64)),
-            "tokens": tokens,
-            "loss": loss,
-            "error": pa.array(errors, pa.string()),
-            "backend": pa.array(backends),
-        },
-        schema=BLOCK_SCHEMA,
-    )
+        loss = pa.LargeListArray.from_arrays(numeric(offsets), numeric(loss_values))
+    columns = [
+        numeric(np.full(len(ids), unit.index, dtype=np.int32)),
+        numeric(np.asarray(ids, dtype=np.uint64)),
+        tokens,
+        loss,
+        strings(errors),
+        numeric(backends),
+    ]
+    return pa.Table.from_arrays(columns, schema=BLOCK_SCHEMA)
+
+
+def _pretokenized(rows, values, stream, tok, errors, lens, backends, flats, losses) -> None:
+    """Token documents as they were read, no tokenizer run (backend `pretokenized`).
+
+    An export's documents are used as they are (EOS included); a `tokens_field` document gets
+    BOS/EOS as a text document would. A document with an id outside the tokenizer's vocabulary
+    is a bad record (a corpus tokenized for another model).
+    """
+    vocab = tok.tokenizer.get_vocab_size(with_added_tokens=True)
+    raw = stream.tokens_field is not None
+    bos = tok.bos_id if raw and tok.add_bos else None
+    eos = tok.eos_id if raw and tok.add_eos else None
+    kept: list[int] = []
+    docs: list[np.ndarray] = []
+    for row, (toks, loss) in zip(rows, values, strict=True):
+        top = int(toks.max())
+        if top >= vocab:
+            errors[row] = f"token id {top} is outside the tokenizer's vocabulary (size {vocab})"
+            continue
+        kept.append(row)
+        docs.append(toks)
+        if losses is not None:
+            losses.append(loss)
+    if not docs:
+        return
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    flat, offsets = _with_specials(np.concatenate(docs), offsets, bos, eos)
+    where = np.asarray(kept, dtype=np.int64)
+    flats.append(flat)
+    lens[where] = np.diff(offsets)
+    backends[where] = BACKEND_NONE
 
 
 def read_tokenize_batch(batch: pa.Table, *, stream: dict, tokenizer: dict) -> pa.Table:
     """Ray Data `map_batches` body: one row per unit (JSON), one block per unit out."""
+    tables = [tokenize_unit_json(u, stream, tokenizer) for u in batch.column("unit").to_pylist()]
+    return pa.concat_tables(tables) if len(tables) != 1 else tables[0]
+
+
+def tokenize_unit_json(unit: str, stream: dict, tokenizer: dict) -> pa.Table:
+    """A worker's task body (Ray Data's, or a pool actor's): one unit (`Unit.to_json`)."""
     # One tokenizer thread per Ray worker: Ray already runs one worker per core. (Set here,
     # before the first encode builds rayon's pool, not through a job runtime_env: see
     # service/cluster.py `connect`.)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    stream_cfg = StreamConfig.model_validate(stream)
     tok = load_tokenizer(TokenizerConfig.model_validate(tokenizer))
-    tables = [
-        tokenize_unit(Unit.from_json(s), stream_cfg, tok) for s in batch.column("unit").to_pylist()
-    ]
-    return pa.concat_tables(tables) if len(tables) != 1 else tables[0]
+    return tokenize_unit(Unit.from_json(unit), StreamConfig.model_validate(stream), tok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,7 +351,7 @@ def iter_blocks_local(
         yield tokenize_unit(unit, stream, tok)
 
 
-class _Prefetcher:
+class Prefetcher:
     """Pull an iterator on a background thread into a bounded queue.
 
     Started at construction, so every stream's Ray Data execution begins at once instead of
@@ -380,7 +462,8 @@ def iter_blocks_ray(
             batch_format="pyarrow",
             zero_copy_batch=True,
             fn_kwargs={
-                "stream": stream.model_dump(mode="json"),
+                # The real storage_options: the workers must reach the files.
+                "stream": stream.model_dump(mode="json", context=REVEAL_SECRETS),
                 "tokenizer": tok_cfg.model_dump(mode="json"),
             },
             num_cpus=1,
@@ -389,7 +472,7 @@ def iter_blocks_ray(
             batch_size=None, batch_format="pyarrow", prefetch_batches=prefetch
         )
 
-    return _Prefetcher(blocks, prefetch)
+    return Prefetcher(blocks, prefetch)
 
 
 def ray_executor(ready: Future | None = None) -> Executor:
@@ -409,6 +492,7 @@ def with_head_start(executor: Executor, ready: Future | None = None) -> Executor
 
 __all__ = [
     "BLOCK_SCHEMA",
+    "Prefetcher",
     "WHOLE_FILE",
     "Unit",
     "group_units",

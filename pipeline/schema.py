@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from pipeline.arrays import numeric, strings
 from service.protocol import IGNORE_LABEL
 
 IGNORE = IGNORE_LABEL
@@ -111,15 +112,13 @@ def _segment_columns(counts, lens, doc_ids, offs, streams, stream_names) -> list
     """seq_lens, stream, doc_id, doc_offset: one list per row, one entry per segment."""
     row_offsets = np.zeros(len(counts) + 1, dtype=np.int32)
     np.cumsum(counts, out=row_offsets[1:])
-    offsets = pa.array(row_offsets)
-    stream_dict = pa.DictionaryArray.from_arrays(
-        pa.array(streams), pa.array(stream_names, pa.string())
-    )
+    offsets = numeric(row_offsets)
+    stream_dict = pa.DictionaryArray.from_arrays(numeric(streams), strings(stream_names))
     return [
-        pa.ListArray.from_arrays(offsets, pa.array(lens.astype(np.int32))),
+        pa.ListArray.from_arrays(offsets, numeric(lens.astype(np.int32))),
         pa.ListArray.from_arrays(offsets, stream_dict),
-        pa.ListArray.from_arrays(offsets, pa.array(doc_ids)),
-        pa.ListArray.from_arrays(offsets, pa.array(offs.astype(np.int32))),
+        pa.ListArray.from_arrays(offsets, numeric(doc_ids)),
+        pa.ListArray.from_arrays(offsets, numeric(offs.astype(np.int32))),
     ]
 
 
@@ -137,7 +136,7 @@ def _compact_batch(rows, L, input_ids, masked, dest, tokens, src_start, lens, co
 
 
 def _fixed(a: np.ndarray, L: int) -> pa.Array:
-    return pa.FixedSizeListArray.from_arrays(pa.array(a), L)
+    return pa.FixedSizeListArray.from_arrays(numeric(a), L)
 
 
 def _index_within_groups(counts: np.ndarray) -> np.ndarray:

@@ -8,11 +8,21 @@ once repeated 14 served documents and skipped 29), so:
 - `seal` adds `digest`, a SHA-256 over the state's canonical JSON (sorted keys, no spaces).
   `check_state` recomputes it and refuses a state whose content no longer matches: the state
   stays readable, and is tamper-evident.
-- Beyond the digest, every field is checked for type and bounds (counts and cursors are
-  non-negative integers, cursors have their 8 fields, shares are finite, per-stream lists have
-  one entry per stream), so a state from a buggy writer fails with the field's path, too.
+- Beyond the digest, every field is checked for type and bounds (counts and positions are
+  non-negative integers, shares are finite, per-stream mappings name the state's streams), so
+  a state from a buggy writer fails with the field's path, too.
 
-Version 1 states (before the digest) still load, checked field by field, with a warning.
+Layout (version 3): each stage's state nests its input's (pipeline/stage.py), per stream by
+name, with the keys as constants in the stages' modules:
+
+    {version, config_hash, step, digest,
+     feed: {rows, real_tokens, docs_emitted: {name: n}, finished},
+     packer: {finished, [rows], mixer: {history, target, placed, alive, weights, ...},
+              streams: {name: {done, counters, consumed | base, arrivals, pool,
+                               input: {window, offset, epoch,            (WindowShuffle)
+                                       input: {position, reported}}}}}}  (DocSource)
+
+Versions 1 (no digest) and 2 (per-stream lists in config order) are migrated on load.
 """
 
 from __future__ import annotations
@@ -21,10 +31,32 @@ import hashlib
 import json
 import logging
 import math
+from dataclasses import fields
 
-STATE_VERSION = 2
-LEGACY_VERSIONS = (1,)
-CURSOR_FIELDS = 8
+from pipeline import documents as doc_keys
+from pipeline import mixing as mixing_keys
+from pipeline import packing as packing_keys
+from pipeline import shuffle as shuffle_keys
+from pipeline.documents import SourcePos
+from pipeline.packing import PackCounters
+
+POSITION_FIELDS = len(fields(SourcePos))
+PACK_COUNTERS = [f.name for f in fields(PackCounters)]
+
+STATE_VERSION = 3
+LEGACY_VERSIONS = (1, 2)  # migrated on load (`migrate`)
+
+# Feed state keys (the stages' own keys are in their modules)
+VERSION = "version"
+CONFIG_HASH = "config_hash"
+STEP = "step"
+PACKER = "packer"
+FEED = "feed"
+ROWS = "rows"
+REAL_TOKENS = "real_tokens"
+DOCS_EMITTED = "docs_emitted"
+FINISHED = "finished"
+DIGEST = "digest"
 
 
 class StateError(ValueError):
@@ -32,26 +64,30 @@ class StateError(ValueError):
 
 
 def digest(state: dict) -> str:
-    body = {k: v for k, v in state.items() if k != "digest"}
+    body = {k: v for k, v in state.items() if k != DIGEST}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def seal(state: dict) -> dict:
-    state["digest"] = digest(state)
+    state[DIGEST] = digest(state)
     return state
 
 
-def check_state(state, config_hash: str, names: list[str], allow_config_change: bool) -> None:
-    """Raise StateError naming the problem, unless `state` is whole and fits this config."""
+def check_state(
+    state, config_hash: str, names: list[str], allow_config_change: bool,
+    packing: str | None = None,
+) -> dict:  # fmt: skip
+    """The state, migrated to this version, if it is whole and fits this config (`names`: its
+    streams, `packing`: its packing mode, if known); else StateError naming the problem."""
     if not isinstance(state, dict):
         raise StateError(f"resume state must be a JSON object, got {type(state).__name__}")
-    version = state.get("version")
+    version = state.get(VERSION)
     if version not in (STATE_VERSION, *LEGACY_VERSIONS):
         raise StateError(f"resume state has version {version!r}, expected {STATE_VERSION}")
-    if version == STATE_VERSION:
+    if version != 1:
         try:
-            ok = state.get("digest") == digest(state)
+            ok = state.get(DIGEST) == digest(state)
         except (TypeError, ValueError) as e:  # NaN, or something that is not JSON
             raise StateError(f"resume state is not plain JSON: {e}") from None
         if not ok:
@@ -61,56 +97,198 @@ def check_state(state, config_hash: str, names: list[str], allow_config_change: 
             )
     else:
         logging.getLogger("tokenmill").warning("resuming a version %s state (no digest)", version)
-    _check_fields(state, names)
-    if state["config_hash"] != config_hash:
+    written = _packing_of(state)
+    if packing is not None and written != packing:
+        raise StateError(
+            f"resume state was written with packing {written!r}, this config packs {packing!r}: "
+            "the packing mode cannot change at a resume"
+        )
+    if version != STATE_VERSION:
+        state = migrate(state, written)
+    _check_fields(state, written)
+    streams = sorted(state[PACKER][packing_keys.STREAMS])
+    if streams != sorted(names) and not allow_config_change:
+        raise StateError(
+            f"resume state has streams {streams}, the config has {sorted(names)}; pass "
+            "--allow-config-change to add or remove streams at a resume (recorded in the "
+            "mixture history; added streams start from their beginning)"
+        )
+    if state[CONFIG_HASH] != config_hash:
         if not allow_config_change:
             raise StateError(
-                f"resume state was written by config {state['config_hash']}, this config is "
+                f"resume state was written by config {state[CONFIG_HASH]}, this config is "
                 f"{config_hash}; pass --allow-config-change to resume anyway (weights from the "
                 "new config apply from the resume step and are recorded)"
             )
         logging.getLogger("tokenmill").warning(
-            "resuming a state of config %s with config %s", state["config_hash"], config_hash
+            "resuming a state of config %s with config %s", state[CONFIG_HASH], config_hash
         )
+    return state
 
 
-def _check_fields(state: dict, names: list[str]) -> None:
-    n = len(names)
-    _count(state, "step")
-    _type(state, "config_hash", str)
-    streams = _type(state, "streams", dict)
-    if sorted(streams) != sorted(names):
-        raise StateError(f"resume state has streams {sorted(streams)}, config has {sorted(names)}")
-    for name, st in streams.items():
-        st = _type(streams, name, dict, f"streams.{name}")
-        for key in ("restart", "next"):
-            _cursor(st, key, f"streams.{name}.{key}")
-        mark = _list(st, "reported", 3, f"streams.{name}.reported")  # (epoch, unit, row)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= -1 for v in mark):
-            raise StateError(f"resume state: streams.{name}.reported must be integers >= -1")
-    _type(state, "packer", dict)
-    mixer = _type(state, "mixer", dict)
-    for key in ("target", "weights"):
-        values = _list(mixer, key, n, f"mixer.{key}")
-        if not all(_finite(v) and v >= 0 for v in values):
-            raise StateError(f"resume state: mixer.{key} must be finite numbers >= 0, got {values}")
-    _counts(mixer, "placed", "mixer.placed", n)
-    alive = _list(mixer, "alive", n, "mixer.alive")
-    if not all(isinstance(a, bool) for a in alive):
-        raise StateError(f"resume state: mixer.alive must be booleans, got {alive}")
-    _count(mixer, "step", "mixer.step")
-    for i, change in enumerate(_type(mixer, "history", list, "mixer.history")):
-        where = f"mixer.history.{i}"
+def _packing_of(state: dict) -> str:
+    """The packing mode a state was written with: only bfd keeps a row count."""
+    packer = _type(state, PACKER, dict)
+    return "bfd" if ("pools" if state[VERSION] != STATE_VERSION else ROWS) in packer else "concat"
+
+
+def _check_fields(state: dict, packing: str) -> None:
+    _count(state, STEP)
+    _type(state, CONFIG_HASH, str)
+    packer = _type(state, PACKER, dict)
+    streams = _type(packer, packing_keys.STREAMS, dict, "packer.streams")
+    names = list(streams)
+    for name in names:
+        _check_stream(streams, name, packing)
+    _type(packer, packing_keys.FINISHED, bool, "packer.finished")
+    if packing == "bfd":
+        _count(packer, packing_keys.ROWS, "packer.rows")
+    _check_mixer(_type(packer, packing_keys.MIXER, dict, "packer.mixer"), names)
+    feed = _type(state, FEED, dict)
+    _count(feed, ROWS, "feed.rows")
+    _count(feed, REAL_TOKENS, "feed.real_tokens")
+    _per_stream(feed, DOCS_EMITTED, "feed.docs_emitted", names, _is_count)
+    _type(feed, FINISHED, bool, "feed.finished")
+
+
+def _check_stream(streams: dict, name: str, packing: str) -> None:
+    where = f"packer.streams.{name}"
+    st = _type(streams, name, dict, where)
+    window = _type(st, packing_keys.INPUT, dict, f"{where}.input")  # WindowShuffle's state
+    _count(window, shuffle_keys.WINDOW, f"{where}.input.window")
+    _count(window, shuffle_keys.OFFSET, f"{where}.input.offset")
+    _count(window, shuffle_keys.EPOCH, f"{where}.input.epoch")
+    source = _type(window, shuffle_keys.INPUT, dict, f"{where}.input.input")  # DocSource's
+    _counts(source, doc_keys.POSITION, f"{where}.input.input.position", POSITION_FIELDS)
+    mark = _list(source, doc_keys.REPORTED, 3, f"{where}.input.input.reported")
+    if not all(_is_int(v) and v >= -1 for v in mark):  # (epoch, unit, row)
+        raise StateError(f"resume state: {where}.input.input.reported must be integers >= -1")
+    _type(st, packing_keys.DONE, bool, f"{where}.done")
+    counters = _type(st, packing_keys.COUNTERS, dict, f"{where}.counters")
+    for key in PACK_COUNTERS:
+        _count(counters, key, f"{where}.counters.{key}")
+    if packing == "concat":
+        if packing_keys.CONSUMED not in st:
+            raise StateError(f"resume state: {where}.consumed is missing (a state of bfd packing?)")
+        if st[packing_keys.CONSUMED] is not None:
+            _count(st, packing_keys.CONSUMED, f"{where}.consumed")
+    else:
+        if packing_keys.POOL not in st:
+            raise StateError(f"resume state: {where}.pool is missing (a state of concat packing?)")
+        _count(st, packing_keys.BASE, f"{where}.base")
+        _count(st, packing_keys.ARRIVALS, f"{where}.arrivals")
+        _counts(st, packing_keys.POOL, f"{where}.pool")
+
+
+def _check_mixer(mixer: dict, names: list[str]) -> None:
+    def weight(v) -> bool:
+        return _finite(v) and v >= 0
+
+    _per_stream(mixer, mixing_keys.TARGET, "packer.mixer.target", names, weight)
+    _per_stream(mixer, mixing_keys.WEIGHTS, "packer.mixer.weights", names, weight)
+    _per_stream(mixer, mixing_keys.PLACED, "packer.mixer.placed", names, _is_count)
+    _per_stream(mixer, mixing_keys.ALIVE, "packer.mixer.alive", names,
+                lambda v: isinstance(v, bool))  # fmt: skip
+    _count(mixer, mixing_keys.STEP, "packer.mixer.step")
+    _type(mixer, mixing_keys.STOPPED, bool, "packer.mixer.stopped")
+    _type(mixer, mixing_keys.EXHAUSTED, list, "packer.mixer.exhausted")
+    for i, change in enumerate(_type(mixer, mixing_keys.HISTORY, list, "packer.mixer.history")):
+        where = f"packer.mixer.history.{i}"
         change = _type({"c": change}, "c", dict, where)
         _count(change, "step", f"{where}.step")
+        _type(change, "source", str, f"{where}.source")
         weights = _type(change, "weights", dict, f"{where}.weights")
-        if not all(_finite(v) and v >= 0 for v in weights.values()):
+        if not all(weight(v) for v in weights.values()):
             raise StateError(f"resume state: {where}.weights must be finite numbers >= 0")
-    feed = _type(state, "feed", dict)
-    _count(feed, "rows", "feed.rows")
-    _count(feed, "real_tokens", "feed.real_tokens")
-    _counts(feed, "docs_emitted", "feed.docs_emitted", n)
-    _type(feed, "finished", bool, "feed.finished")
+
+
+def _per_stream(obj: dict, key: str, where: str, names: list[str], ok) -> None:
+    """A mapping stream name -> value, one entry per stream of the state."""
+    value = _type(obj, key, dict, where)
+    if sorted(value) != sorted(names):
+        raise StateError(
+            f"resume state: {where} must name the streams {names}, got {sorted(value)}"
+        )
+    bad = {k: v for k, v in value.items() if not ok(v)}
+    if bad:
+        raise StateError(f"resume state: {where} has bad values {bad!r:.80}")
+
+
+def migrate(state: dict, packing: str) -> dict:
+    """A version 1 or 2 state as version 3. Versions 1 and 2 kept per-stream values in lists in
+    the config's stream order (the order of `streams`), and one cursor of 8 fields per stream
+    for both the shuffle window and the read position; version 3 nests each stage's state in
+    the packer's, keyed by stream name. The positions mean the same, so the run continues
+    exactly as the old version would have."""
+    try:
+        return _migrate(state, packing)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, StateError):
+            raise
+        raise StateError(
+            f"resume state of version {state.get(VERSION)} is malformed ({type(e).__name__}: "
+            f"{e}); it cannot be migrated to version {STATE_VERSION}"
+        ) from None
+
+
+def _migrate(old: dict, packing: str) -> dict:
+    streams = _type(old, "streams", dict)
+    names = list(streams)
+    packer, mixer, feed = old["packer"], old["mixer"], old["feed"]
+    new_streams = {}
+    for i, name in enumerate(names):
+        st = _type(streams, name, dict, f"streams.{name}")
+        for key in ("restart", "next"):
+            _counts(st, key, f"streams.{name}.{key}", 8)
+        e, k, unit, row, docs, tokens, skipped, offset = st["restart"]
+        source = {doc_keys.POSITION: [e, unit, row, docs, tokens, skipped],
+                  doc_keys.REPORTED: _list(st, "reported", 3, f"streams.{name}.reported")}  # fmt: skip
+        entry = {
+            packing_keys.INPUT: {
+                shuffle_keys.WINDOW: k,
+                shuffle_keys.OFFSET: offset,
+                shuffle_keys.EPOCH: e,
+                shuffle_keys.INPUT: source,
+            },  # fmt: skip
+            packing_keys.DONE: packer["source_done"][i],
+            packing_keys.COUNTERS: packer["counters"][i],
+        }
+        if packing == "concat":
+            entry[packing_keys.CONSUMED] = packer["consumed"][i]
+        else:
+            entry |= packer["pools"][i]  # base, arrivals, pool: the same keys
+        new_streams[name] = entry
+
+    def by_name(values: list) -> dict:
+        if len(values) != len(names):
+            raise StateError(f"resume state: per-stream lists must have {len(names)} entries")
+        return dict(zip(names, values, strict=True))
+
+    log = list(packer["exhausted_log"])
+    new_packer = {
+        packing_keys.STREAMS: new_streams,
+        packing_keys.MIXER: {
+            mixing_keys.HISTORY: mixer["history"],
+            mixing_keys.TARGET: by_name(mixer["target"]),
+            mixing_keys.PLACED: by_name(mixer["placed"]),
+            mixing_keys.ALIVE: by_name(mixer["alive"]),
+            mixing_keys.WEIGHTS: by_name(mixer["weights"]),
+            mixing_keys.STEP: mixer["step"],
+            mixing_keys.STOPPED: any(line.endswith("stopping the run") for line in log),
+            mixing_keys.EXHAUSTED: log,
+        },
+        packing_keys.FINISHED: packer["finished"],
+    }
+    if packing == "bfd":
+        new_packer[packing_keys.ROWS] = packer["rows"]
+    return seal({
+        VERSION: STATE_VERSION,
+        CONFIG_HASH: old["config_hash"],
+        STEP: old["step"],
+        PACKER: new_packer,
+        FEED: {ROWS: feed["rows"], REAL_TOKENS: feed["real_tokens"],
+               DOCS_EMITTED: by_name(feed["docs_emitted"]), FINISHED: feed["finished"]},
+    })  # fmt: skip
 
 
 def _type(obj: dict, key: str, kind: type, where: str | None = None):
@@ -139,13 +317,17 @@ def _list(obj: dict, key: str, length: int | None, where: str) -> list:
 
 def _counts(obj: dict, key: str, where: str, length: int | None = None) -> list:
     value = _list(obj, key, length, where)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+    if not all(_is_count(v) for v in value):
         raise StateError(f"resume state: {where} must be integers >= 0, got {value!r:.80}")
     return value
 
 
-def _cursor(obj: dict, key: str, where: str) -> None:
-    _counts(obj, key, where, CURSOR_FIELDS)
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_count(v) -> bool:
+    return _is_int(v) and v >= 0
 
 
 def _finite(v) -> bool:

@@ -7,48 +7,24 @@ and lists the bad ones, without tokenizing.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import numpy as np
 
 from pipeline.config import Config
-from pipeline.documents import Reject, StreamDocs
+from pipeline.documents import DocSource, Reject
 from pipeline.reading import Unit, iter_blocks_local, iter_records
+from pipeline.shuffle import WindowShuffle
 from pipeline.sources import WHOLE_FILE
-
-
-def describe_lengths(lengths: np.ndarray, bins: int = 12) -> dict:
-    if len(lengths) == 0:
-        return {"docs": 0}
-    lengths = np.asarray(lengths, dtype=np.int64)
-    p50, p90, p99 = (float(np.percentile(lengths, q)) for q in (50, 90, 99))
-    top = max(int(lengths.max()), 1)
-    edges = np.unique(np.geomspace(1, top + 1, bins + 1).astype(np.int64))
-    counts, edges = np.histogram(lengths, bins=edges)
-    cover = int(math.ceil(p99))
-    return {
-        "docs": int(len(lengths)),
-        "tokens": int(lengths.sum()),
-        "mean": float(lengths.mean()),
-        "std": float(lengths.std()),
-        "min": int(lengths.min()),
-        "p50": p50,
-        "p90": p90,
-        "p99": p99,
-        "max": int(lengths.max()),
-        "histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
-        # A row that holds the p99 document whole: bfd then splits ~1% of documents.
-        "recommended_seq_len": max(8, 1 << max(3, (cover - 1).bit_length())),
-    }
+from pipeline.summary import describe_lengths
 
 
 def length_stats(cfg: Config, docs: int = 2000) -> dict:
     out = {}
     for i, name in enumerate(cfg.streams):
-        sd = StreamDocs(name, i, cfg.model_copy(update={"on_error": "skip"}), iter_blocks_local)
+        sd = DocSource(name, i, cfg.model_copy(update={"on_error": "skip"}), iter_blocks_local)
         lengths = []
-        for doc in sd:
+        for doc in WindowShuffle(sd, cfg.shuffle.window, cfg.seed, name):  # as the feed reads
             lengths.append(len(doc))
             if len(lengths) >= docs:
                 break
@@ -67,14 +43,31 @@ def text_histogram(hist: dict, width: int = 40) -> list[str]:
     ]
 
 
-def scan(cfg: Config) -> Iterator[Reject]:
-    """Every bad record of every stream, in file order."""
+def scan(cfg: Config, vocab: int | None = None) -> Iterator[Reject]:
+    """Every bad record of every stream, in file order.
+
+    With `vocab` (the tokenizer's vocabulary size), token-id documents (`tokens_field`,
+    exports) are also checked against it, as the export's tokenizing step does."""
     for i, name in enumerate(cfg.streams):
-        sd = StreamDocs(name, i, cfg, iter_blocks_local)
+        sd = DocSource(name, i, cfg, iter_blocks_local)
         files = sd.files
         for per_file in sd.pieces():
-            for doc_id, _, err in iter_records(Unit(0, tuple(per_file)), sd.stream):
+            for doc_id, value, err in iter_records(Unit(0, tuple(per_file)), sd.stream):
+                if err is None and vocab is not None:
+                    err = _outside_vocab(value, vocab)
                 if err is not None:
                     rec = doc_id & 0xFFFFFFFF
                     where = None if rec == WHOLE_FILE else rec
                     yield Reject(name, files[doc_id >> 32], where, err)
+
+
+def _outside_vocab(value, vocab: int) -> str | None:
+    """The reject reason of a token-id document with an id the tokenizer does not have."""
+    if not isinstance(value, tuple) or not isinstance(value[0], np.ndarray) or not value[0].size:
+        return None  # text (or a chat record): the tokenizer makes its ids
+    top = int(value[0].max())
+    return (
+        f"token id {top} is outside the tokenizer's vocabulary (size {vocab})"
+        if top >= vocab
+        else None
+    )

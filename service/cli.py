@@ -7,11 +7,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.config import ConfigError, load_config
 
+if TYPE_CHECKING:
+    from pipeline.summary import ExportReport, RunSummary
+
 ADDRESS_HELP = (
-    "Ray cluster to join (`auto`: the one Ray finds; default: a new, private local Ray, never "
+    "Ray cluster to join (`auto`: the one Ray finds; None: a new, private local Ray, never "
     "a cluster that happens to run here)"
 )
 
@@ -31,31 +35,31 @@ def _progress(every_s: float = 5.0):
     return report
 
 
-def _print_summary(s: dict) -> None:
-    print(f"steps            {s['steps_written']}  (rows {s['rows']}, seq_len {s['seq_len']})")
-    print(f"tokens           {s['real_tokens']:,}")
-    ttfs = s["time_to_first_step_s"]
+def _print_summary(s: RunSummary, x: ExportReport) -> None:
+    print(f"steps            {x.steps_written}  (rows {s.rows}, seq_len {s.seq_len})")
+    print(f"tokens           {s.real_tokens:,}")
+    ttfs = x.time_to_first_step_s
     print(
-        f"wall             {s['wall_s']:.1f}s from process start "
-        f"(start-up {s['startup_s']:.1f}s, first step at "
+        f"wall             {x.wall_s:.1f}s from process start "
+        f"(start-up {x.startup_s:.1f}s, first step at "
         + ("-" if ttfs is None else f"{ttfs:.1f}s")
         + ")"
     )
     print(
-        f"tokens/s         {s['tokens_per_s']:,.0f} end to end; "
-        f"{s['steady_tokens_per_s']:,.0f} steady (first block in to last step)"
+        f"tokens/s         {x.tokens_per_s:,.0f} end to end; "
+        f"{x.steady_tokens_per_s:,.0f} steady (first block in to last step)"
     )
-    print(f"packing          {100 * s['packing_efficiency']:.2f}% real tokens")
-    names = {"ray_connected": "ray up", "feed_started": "feed started",
-             "first_block_in_process": "first block (head start)",
-             "first_block_from_executor": "first block from workers"}  # fmt: skip
-    ph = s.get("phases", {})
-    marks = [f"{label} {ph[k]:.1f}s" for k, label in names.items() if ph.get(k) is not None]
-    if marks:
-        here, there = ph.get("tokens_made_here", 0), ph.get("tokens_made_by_executor", 0)
+    print(f"packing          {100 * s.packing_efficiency:.2f}% real tokens")
+    ph = x.phases
+    marks = {"ray up": ph.ray_connected, "feed started": ph.feed_started,
+             "first block (head start)": ph.first_block_in_process,
+             "first block from workers": ph.first_block_from_executor}  # fmt: skip
+    reached = [f"{label} {t:.1f}s" for label, t in marks.items() if t is not None]
+    if reached:
+        here, there = ph.tokens_made_here, ph.tokens_made_by_executor
         share = f"; {here / (here + there):.0%} of tokens made here" if here + there else ""
-        print(f"phases           {', '.join(marks)}; writing took {ph['writing_s']:.1f}s{share}")
-    used = {k: v for k, v in s.get("tokenizer_backend", {}).items() if v}
+        print(f"phases           {', '.join(reached)}; writing took {ph.writing_s:.1f}s{share}")
+    used = {k: v for k, v in s.tokenizer_backend.items() if v}
     if used:
         total = sum(used.values())
         print(
@@ -68,16 +72,17 @@ def _print_summary(s: dict) -> None:
     print(
         f"{'stream':<12}{'target':>8}{'realized':>10}{'tokens':>14}{'docs':>9}{'skipped':>9}{'split':>7}{'trunc':>7}{'drop':>6}"
     )
-    for name, st in s["streams"].items():
+    for name, st in s.streams.items():
         print(
-            f"{name:<12}{st['target_share']:>8.3f}{st['realized_share']:>10.3f}{st['tokens']:>14,}"
-            f"{st['docs']:>9,}{st['skipped']:>9,}{st['split']:>7,}{st['truncated']:>7,}{st['dropped']:>6,}"
+            f"{name:<12}{st.target_share:>8.3f}{st.realized_share:>10.3f}{st.tokens:>14,}"
+            f"{st.docs:>9,}{st.skipped:>9,}{st.split:>7,}{st.truncated:>7,}{st.dropped:>6,}"
         )
-    for line in s.get("exhausted", []):
+    for line in s.exhausted:
         print(f"note: {line}")
 
 
 def cmd_export(args) -> int:
+    from pipeline.reading import Executor, iter_blocks_local
     from service.export import run_export
 
     ready = None
@@ -87,26 +92,72 @@ def cmd_export(args) -> int:
         ready = connect_in_background(args.address)
     cfg = load_config(args.config)
     resume = _read_state(args.resume)
+    executor: Executor | None = None  # Ray Data
+    if args.local:
+        executor = iter_blocks_local
+    elif args.pool:
+        from pipeline.pool import pool_executor
+
+        executor = pool_executor(args.pool, args.pool_idle_s, ready)
     summary = run_export(
         cfg, args.out, steps=args.steps, world_size=args.world_size, fmt=args.format,
-        local=args.local, progress=_progress(), state_every=args.state_every or 0,
+        executor=executor, progress=_progress(), state_every=args.state_every or 0,
         resume=resume, allow_config_change=args.allow_config_change, layout=args.layout,
         ray_ready=ready,
     )  # fmt: skip
-    if ready is not None:
+    report = summary.export
+    assert report is not None  # run_export sets it
+    if ready is not None and _needs_ray(ready, args.address, report):
         ready.result()  # a connect that failed after a head start still fails the run
-    _print_summary(summary)
+    _print_summary(summary, report)
     print(
-        f"wrote {args.out}/ (summary.json, rejects.jsonl: {summary['rejects_written']} skipped records)"
+        f"wrote {args.out}/ (summary.json, rejects.jsonl: {report.rejects_written} skipped records)"
     )
-    if not summary["steps_written"]:  # every record rejected or dropped, or no data at all
+    empty = undelivered_streams(summary, f"{args.out}/rejects.jsonl")
+    for name, why in empty.items():
+        print(f"error: stream {name!r} delivered nothing: {why}", file=sys.stderr)
+    if not report.steps_written:  # every record rejected or dropped, or no data at all
         print(
-            f"error: the export delivered nothing: {summary['rejects_written']} skipped "
+            f"error: the export delivered nothing: {report.rejects_written} skipped "
             f"records (see {args.out}/rejects.jsonl), 0 steps",
             file=sys.stderr,
         )
         return 1
-    return 0
+    return 1 if empty else 0
+
+
+def undelivered_streams(summary: RunSummary, rejects: str = "rejects.jsonl") -> dict[str, str]:
+    """Streams that read records but delivered no document: every one rejected or dropped.
+
+    The run may still have written steps from its other streams (`on_exhausted:
+    renormalize`), but its mixture is not the configured one, so it is a failure, never a
+    silent success. A stream not yet reached when `--steps` ran out read nothing and is fine.
+    """
+    out = {}
+    for name, st in summary.streams.items():
+        if st.docs:
+            continue
+        if st.skipped and not st.docs_read:
+            out[name] = f"all {st.skipped} record(s) read were rejected (see {rejects})"
+        elif st.dropped:
+            out[name] = (
+                f"all {st.dropped} document(s) were dropped (longer than seq_len with "
+                "packing.overflow: drop)"
+            )
+    return out
+
+
+def _needs_ray(ready, address: str | None, report: ExportReport) -> bool:
+    """Whether the export must wait for its Ray connect before it may exit.
+
+    A cluster the user named is always waited for: a wrong address or token is an error even
+    when the head start made every token. A private embedded Ray that no unit ran on is not:
+    the export is complete and correct, and waiting would only spend Ray's 3-9 s start-up on
+    nothing (small exports). Its processes end with this one."""
+    from service.cluster import requested_address
+
+    used = report.phases.tokens_made_by_executor > 0
+    return used or ready.done() or requested_address(address) is not None
 
 
 def _read_state(path: str | None) -> dict | None:
@@ -142,18 +193,29 @@ def cmd_status(args) -> int:
 
 def cmd_check(args) -> int:
     from pipeline.stats import scan
+    from pipeline.tokenization import load_tokenizer
 
     cfg = load_config(args.config)
     print(f"config ok: {len(cfg.streams)} stream(s), hash {cfg.config_hash()}")
     for name, s in cfg.streams.items():
         print(f"  {name}: {s.kind}, {s.format}, {len(s.paths)} path(s), weight {s.weight}")
-    bad = 0
-    for rej in scan(cfg):
-        bad += 1
-        where = rej.file + ("" if rej.record is None else f":{rej.record}")
-        print(f"BAD {rej.stream}: {where}: {rej.reason}")
-    if bad:
-        print(f"{bad} bad record(s)", file=sys.stderr)
+    try:  # the tokenizer every worker will load: a bad name fails here, in seconds
+        tok = load_tokenizer(cfg.tokenizer)
+    except ValueError as e:
+        print(f"BAD tokenizer: {e}", file=sys.stderr)
+        return 1
+    print(f"tokenizer ok: {tok.describe()}")
+    bad: dict[str, int] = dict.fromkeys(cfg.streams, 0)
+    for rej in scan(cfg, vocab=tok.tokenizer.get_vocab_size(with_added_tokens=True)):
+        bad[rej.stream] += 1
+        if bad[rej.stream] <= args.show:
+            where = rej.file + ("" if rej.record is None else f":{rej.record}")
+            print(f"BAD {rej.stream}: {where}: {rej.reason}")
+    if any(bad.values()):
+        for name, n in bad.items():
+            if n:
+                more = f" ({n - args.show} not listed)" if n > args.show else ""
+                print(f"{name}: {n} bad record(s){more}", file=sys.stderr)
         return 1
     print("all records ok")
     return 0
@@ -202,47 +264,68 @@ def cmd_corpus(args) -> int:
     return 0
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every optional flag shows its default: argparse appends "(default: X)" to its help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.required else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    p = argparse.ArgumentParser(prog="tokenmill", description=__doc__, formatter_class=_Help)
     sub = p.add_subparsers(dest="command", required=True)
 
-    v = sub.add_parser("serve", help="run the service: batch server + control API")
-    v.add_argument("--config", required=True)
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+
+    config_help = (
+        "the run's YAML config (a relative path in it: the working directory's if it exists "
+        "there, else the config directory's)"
+    )
+    v = command("serve", "run the service: batch server + control API")
+    v.add_argument("--config", required=True, help=config_help)
     v.add_argument(
         "--resume", default=None, help="start from a state (GET /v1/state, state-N.json)"
     )
     v.add_argument("--address", default=None, help=ADDRESS_HELP)
-    v.add_argument("--host", default=None, help="API bind address (default: config, 127.0.0.1)")
-    v.add_argument("--port", type=int, default=None)
+    v.add_argument("--host", default=None, help="API bind address (None: the config's, 127.0.0.1)")
+    v.add_argument("--port", type=int, default=None, help="API port (None: the config's, 8000)")
     v.add_argument(
         "--name", default="tokenmill", help="the service (actor) name trainers connect to"
     )
-    v.add_argument("--allow-config-change", action="store_true")
+    v.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a state written by a different config (recorded in the history)",
+    )
     v.set_defaults(func=cmd_serve)
 
-    for verb, func, doc in (("stop", cmd_stop, "stop a running service (its serve drains and exits)"),
-                            ("status", cmd_status, "print a running service's status")):  # fmt: skip
-        x = sub.add_parser(verb, help=doc)
-        x.add_argument("--name", default="tokenmill", help="the service name (default tokenmill)")
+    for verb, func, doc in (
+        ("stop", cmd_stop, "stop a running service (its serve drains and exits)"),
+        ("status", cmd_status, "print a running service's status"),
+    ):
+        x = command(verb, doc)
+        x.add_argument("--name", default="tokenmill", help="the service name")
         x.add_argument(
-            "--address", default=None,
-            help="its Ray cluster (default: from the service's record on this machine, else "
+            "--address",
+            default=None,
+            help="its Ray cluster (None: from the service's record on this machine, else "
             "RAY_ADDRESS, else the one cluster running here)",
-        )  # fmt: skip
+        )
         if verb == "status":
             x.add_argument("--json", action="store_true", help="status and metrics as JSON")
         x.set_defaults(func=func)
 
-    e = sub.add_parser("export", help="write the served batch sequence to files")
-    e.add_argument("--config", required=True)
-    e.add_argument("--out", required=True)
-    e.add_argument("--steps", type=int, default=None, help="global steps to write (default: all)")
-    e.add_argument("--world-size", type=int, default=1)
+    e = command("export", "write the served batch sequence to files")
+    e.add_argument("--config", required=True, help=config_help)
+    e.add_argument("--out", required=True, help="the directory to write (created if missing)")
+    e.add_argument("--steps", type=int, default=None, help="global steps to write (None: all)")
+    e.add_argument("--world-size", type=int, default=1, help="ranks: one file per rank and step")
     e.add_argument(
         "--format",
         choices=["parquet", "arrow", "mds"],
         default="parquet",
-        help="step files: parquet, arrow (IPC), or one MDS dataset (default parquet)",
+        help="step files: parquet, arrow (IPC), or one MDS dataset",
     )
     e.add_argument(
         "--layout",
@@ -250,55 +333,98 @@ def build_parser() -> argparse.ArgumentParser:
         default="compact",
         help="compact: no columns that seq_lens and input_ids determine (position_ids, "
         "segment_ids, and labels unless a stream masks tokens), expanded on read; "
-        "full: every column as served (default compact)",
+        "full: every column as served",
     )
     e.add_argument("--address", default=None, help=ADDRESS_HELP)
     e.add_argument(
-        "--state-every", type=int, default=0, help="write DIR/state-N.json every K steps"
+        "--state-every",
+        type=int,
+        default=0,
+        help="write DIR/state-N.json every K steps (0: only at the end)",
     )
     e.add_argument("--resume", default=None, help="continue from a state-N.json")
-    e.add_argument("--allow-config-change", action="store_true",
-                   help="resume a state written by a different config (logged)")  # fmt: skip
+    e.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a state written by a different config (logged)",
+    )
     e.add_argument("--local", action="store_true", help="run in-process without Ray (debugging)")
+    e.add_argument(
+        "--pool",
+        type=int,
+        default=0,
+        metavar="N",
+        help="tokenize on a warm pool of N named actors that stay up between exports, instead "
+        "of Ray Data tasks in fresh workers (0: Ray Data); for repeated exports against a "
+        "running cluster (--address): the first creates the pool, the next find it warm",
+    )
+    e.add_argument(
+        "--pool-idle-s",
+        type=float,
+        default=300.0,
+        help="a pool actor exits (and frees its CPU) after this many seconds without work",
+    )
     e.set_defaults(func=cmd_export)
 
-    c = sub.add_parser("check", help="validate the config and scan every record")
-    c.add_argument("--config", required=True)
+    c = command("check", "validate the config, load the tokenizer and scan every record")
+    c.add_argument("--config", required=True, help=config_help)
+    c.add_argument(
+        "--show", type=int, default=20, help="bad records listed per stream (all are counted)"
+    )
     c.set_defaults(func=cmd_check)
 
-    s = sub.add_parser("stats", help="per-stream token-length distribution")
-    s.add_argument("--config", required=True)
-    s.add_argument("--docs", type=int, default=2000)
-    s.add_argument("--json", default=None)
+    s = command("stats", "per-stream token-length distribution")
+    s.add_argument("--config", required=True, help=config_help)
+    s.add_argument("--docs", type=int, default=2000, help="documents sampled per stream")
+    s.add_argument("--json", default=None, help="also write the figures to this file")
     s.set_defaults(func=cmd_stats)
 
-    k = sub.add_parser(
-        "corpus", help="write the demo corpus (from the standard library) to a directory"
-    )
-    k.add_argument("--out", default="data/demo")
+    k = command("corpus", "write the demo corpus (from the standard library) to a directory")
+    k.add_argument("--out", default="data/demo", help="the directory to write")
     k.set_defaults(func=cmd_corpus)
 
-    sub.add_parser("bench", help="the benchmark suite (options: --quick, --json PATH; see --help)")
+    command("bench", "the benchmark suite (options: --quick, --json PATH; see --help)")
 
-    d = sub.add_parser("demo", help="the main job on the embedded default")
-    d.add_argument("--steps", type=int, default=60)
-    d.add_argument("--json", default=None)
-    d.add_argument("--out", default=None, help="where to export (default: a temporary directory)")
+    d = command("demo", "the main job on the embedded default")
+    d.add_argument("--steps", type=int, default=60, help="training steps")
+    d.add_argument("--json", default=None, help="also write the demo's summary to this file")
+    d.add_argument("--out", default=None, help="where to export (None: a temporary directory)")
     d.add_argument("--address", default=None, help=ADDRESS_HELP)
     d.set_defaults(func=cmd_demo)
-    return p
+    return p  # fmt: skip
+
+
+def run_bench(argv: list[str]) -> int:
+    """`tokenmill bench [e2e] ...`: `python -m bench` in a process of its own.
+
+    The benchmarks (bench/) are a part of the source tree, not of the product: nothing here
+    imports them. They run with the checkout that holds this package on the path, from the
+    working directory, so relative paths in their options mean what the user typed."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "__main__.py").is_file():
+        print(
+            f"error: `tokenmill bench` runs the benchmarks of a source checkout (bench/), and "
+            f"there is none beside this installation ({root}): run `./dev bench` in a clone "
+            "of the repository",
+            file=sys.stderr,
+        )
+        return 2
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p)
+    try:
+        return subprocess.call(
+            [sys.executable, "-m", "bench", *argv], env=os.environ | {"PYTHONPATH": path}
+        )
+    except KeyboardInterrupt:  # the benchmark got the Ctrl-C too, and has stopped
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "e2e"]:  # against the hand-written script, cold and warm
-        from bench.e2e import main as e2e_main
-
-        return e2e_main(argv[2:])
-    if argv[:1] == ["bench"]:  # the suite parses its own options
-        from bench.suite import main as bench_main
-
-        return bench_main(argv[1:])
+    if argv[:1] == ["bench"]:  # the benchmarks parse their own options
+        return run_bench(argv[1:])
     args = build_parser().parse_args(argv)
     for flag in ("steps", "world_size", "state_every"):
         value = getattr(args, flag, None)

@@ -24,6 +24,7 @@ import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from service.protocol import NAMESPACE
 
@@ -115,7 +116,9 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     channel = create_gcs_channel(address)
     try:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        # protobuf builds the message classes at import time: mypy cannot see them.
+        request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]
+        stub.GetClusterId(request, timeout=timeout_s)
     except grpc.RpcError as e:
         code = e.code() if hasattr(e, "code") else None
         if code == grpc.StatusCode.UNAUTHENTICATED:
@@ -158,7 +161,7 @@ def connect(
     # process) per cluster to collect them; RAY_USAGE_STATS_ENABLED=1 opts back in.
     for key, value in {**WORKER_ENV, "RAY_USAGE_STATS_ENABLED": "0"}.items():
         os.environ.setdefault(key, value)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         namespace=NAMESPACE,
         log_to_driver=os.environ.get("TOKENMILL_RAY_LOGS", "0") == "1",
         configure_logging=False,

@@ -17,6 +17,7 @@ import json
 import os
 import time
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,8 +27,9 @@ import pyarrow.parquet as pq
 from pipeline.config import Config
 from pipeline.exports import LAYOUTS, compact
 from pipeline.feed import Feed, next_steps, rank_slice
-from pipeline.reading import ray_executor, with_head_start
+from pipeline.reading import Executor, iter_blocks_local, ray_executor, with_head_start
 from pipeline.states import check_state
+from pipeline.summary import ExportReport, FirstReads, Phases, RunSummary, summarize
 
 STEPS_PER_CALL = 4
 
@@ -52,6 +54,9 @@ class _MdsSink:
     """All rows in global order into one MDS dataset at DIR/mds (world-size independent)."""
 
     def __init__(self, out: Path):
+        from pipeline.formats.mds import require_streaming
+
+        require_streaming()  # a clear message where the `mds` extra is not installed
         from streaming import MDSWriter
 
         self.writer = MDSWriter(out=str(out / "mds"), columns=MDS_COLUMNS, exist_ok=True)
@@ -108,13 +113,66 @@ def _write(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
     os.replace(tmp, path)
 
 
+class _StepFiles:
+    """Writes each step's files (one per rank, or rows into the MDS dataset), the states due
+    with them and the rejects, and keeps the export's counts and clock readings."""
+
+    def __init__(self, out: Path, cfg: Config, world_size: int, fmt: str, layout: str):
+        self.out, self.cfg, self.world_size, self.fmt, self.layout = (
+            out,
+            cfg,
+            world_size,
+            fmt,
+            layout,
+        )
+        # Every file of an export has the same columns: labels are kept when a stream can mask.
+        self.keep_labels = any(s.kind == "chat" for s in cfg.streams.values())
+        self.mds = _MdsSink(out) if fmt == "mds" else None
+        self.rejects_path = out / "rejects.jsonl"
+        self._rejects = open(self.rejects_path, "w")  # noqa: SIM115 (closed in close())
+        self.written = self.tokens = self.rejects_written = 0
+        self.writing = 0.0  # seconds spent writing
+        self.first_at: float | None = None  # time.monotonic() of the first and last step written
+        self.last_at: float | None = None
+
+    def step(self, batch: pa.RecordBatch, state: dict | None) -> None:
+        t = time.monotonic()
+        step = int(batch.schema.metadata[b"global_step"])
+        if self.mds is not None:
+            self.mds.write(batch)
+        full = self.layout == "full" or self.mds is not None
+        stored = batch if full else compact(batch, self.keep_labels)
+        for r in range(self.world_size if self.mds is None else 0):
+            part = rank_slice(stored, r, self.world_size, self.cfg.global_batch_size)
+            _write(part, step_path(self.out, step, r, self.fmt), self.fmt)
+        if state is not None:
+            path = self.out / f"state-{state['step']:08d}.json"
+            path.write_text(json.dumps(state, separators=(",", ":")) + "\n")
+        self.writing += time.monotonic() - t
+        self.tokens += int(pc.sum(pc.list_flatten(batch.column("seq_lens"))).as_py() or 0)
+        self.written += 1
+        self.last_at = time.monotonic()
+        self.first_at = self.first_at or self.last_at
+
+    def rejects(self, feed: Feed) -> None:
+        for rej in feed.rejects:
+            self._rejects.write(json.dumps(rej.as_dict()) + "\n")
+        self.rejects_written += len(feed.rejects)
+        feed.rejects.clear()
+
+    def close(self) -> None:
+        self._rejects.close()
+        if self.mds is not None:
+            self.mds.close()
+
+
 def run_export(
     cfg: Config,
     out: str | Path,
     steps: int | None = None,
     world_size: int = 1,
     fmt: str = "parquet",
-    local: bool = False,
+    executor: Executor | None = None,
     progress=None,
     state_every: int = 0,
     resume: dict | None = None,
@@ -122,16 +180,18 @@ def run_export(
     layout: str = "compact",
     started: float | None = None,
     ray_ready: Future | None = None,
-) -> dict:
-    """Export up to `steps` global steps (all the data when None); return the summary.
+) -> RunSummary:
+    """Export up to `steps` global steps (all the data when None); return the summary, with
+    the export's part (`RunSummary.export`) set.
 
     With `state_every` K, ``DIR/state-00000012.json`` is written whenever 12 steps (a multiple
     of K) are done: resuming from it continues with step 12. With `resume`, the run continues
     from such a state and step numbers carry on from it. `layout` is `compact` or `full`
     (pipeline/exports.py). `started` is when the clock of the headline figures starts
     (`time.monotonic()`); by default this process's start. With `ray_ready`, Ray is still
-    connecting in the background. Either way this process tokenizes until the Ray workers
-    deliver (pipeline/headstart.py).
+    connecting in the background. `executor` reads and tokenizes: by default Ray Data, or a
+    warm pool (pipeline/pool.py), with this process tokenizing until those workers deliver
+    (pipeline/headstart.py); `reading.iter_blocks_local` makes everything in this process.
     """
     if cfg.global_batch_size % world_size:
         raise ValueError(
@@ -145,75 +205,55 @@ def run_export(
     begun = time.monotonic()
     if resume is not None:  # fail here, with a clear message, not inside the actor
         check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change)
-    connected = [None]
+    connected: list[float | None] = [None]
     if ray_ready is not None:
         ray_ready.add_done_callback(lambda _: connected.__setitem__(0, time.monotonic()))
-    executor = first = None
-    if not local:
-        executor = ray_executor(ray_ready)
-        first = with_head_start(executor, ray_ready)
-    feed = Feed(cfg, local, None, resume, allow_config_change, executor, first)
-    feed.full_batches = layout == "full" or fmt == "mds"  # compact: nothing derivable computed
-    feed_started = time.monotonic()
-    writing = 0.0
-    # Every file of an export has the same columns: labels are kept when a stream can mask.
-    keep_labels = any(s.kind == "chat" for s in cfg.streams.values())
-    written = tokens = rejects_n = 0
-    first_at = last_at = None
-    rejects_path = out / "rejects.jsonl"
-    mds = _MdsSink(out) if fmt == "mds" else None
+    executor = executor or ray_executor(ray_ready)
+    # Workers elsewhere (Ray Data, a warm pool): this process tokenizes until they deliver.
+    first = None if executor is iter_blocks_local else with_head_start(executor, ray_ready)
+    files = _StepFiles(out, cfg, world_size, fmt, layout)
+    feed = None
     try:
-        with open(rejects_path, "w") as rejects:
-            while steps is None or written < steps:
-                want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - written)
-                batches = next_steps(feed, want, state_every)
-                for batch, state in batches:
-                    step = int(batch.schema.metadata[b"global_step"])
-                    t = time.monotonic()
-                    if mds is not None:
-                        mds.write(batch)
-                    stored = batch if layout == "full" or mds else compact(batch, keep_labels)
-                    for r in range(world_size if mds is None else 0):
-                        part = rank_slice(stored, r, world_size, cfg.global_batch_size)
-                        _write(part, step_path(out, step, r, fmt), fmt)
-                    if state is not None:
-                        path = out / f"state-{state['step']:08d}.json"
-                        path.write_text(json.dumps(state, separators=(",", ":")) + "\n")
-                    writing += time.monotonic() - t
-                    tokens += int(pc.sum(pc.list_flatten(batch.column("seq_lens"))).as_py() or 0)
-                    written += 1
-                    last_at = time.monotonic()
-                    first_at = first_at or last_at
-                for rej in feed.rejects:
-                    rejects.write(json.dumps(rej.as_dict()) + "\n")
-                rejects_n += len(feed.rejects)
-                feed.rejects.clear()
-                if progress:
-                    progress(written, tokens, time.monotonic() - started)
-                if len(batches) < want:
-                    break
-        summary = feed.summary()
+        feed = Feed(cfg, executor, first, state=resume, allow_config_change=allow_config_change)
+        feed.full_batches = layout == "full" or fmt == "mds"  # compact: nothing derivable
+        feed_started = time.monotonic()
+        while steps is None or files.written < steps:
+            want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
+            batches = next_steps(feed, want, state_every)
+            for batch, state in batches:
+                files.step(batch, state)
+            files.rejects(feed)
+            if progress:
+                progress(files.written, files.tokens, time.monotonic() - started)
+            if len(batches) < want:
+                break
+        summary = summarize(feed)
     finally:
-        if mds is not None:
-            mds.close()
-        feed.close()
+        files.close()
+        if feed is not None:
+            feed.close()
     marks = {"ray_connected": connected[0], "feed_started": feed_started}
-    summary.update(
-        _timings(summary, started, begun, first_at, last_at, tokens, marks, writing),
-        steps_written=written,
+    clock = _timings(summary.first_reads, started, begun, files, marks)
+    report = ExportReport(
+        steps_written=files.written,
         world_size=world_size,
         format=fmt,
-        layout=layout if mds is None else "mds",
-        rejects_file=str(rejects_path),
-        rejects_written=rejects_n,
+        layout=layout if files.mds is None else "mds",
+        rejects_file=str(files.rejects_path),
+        rejects_written=files.rejects_written,
+        **clock,
     )
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    summary["wall_s"] = time.monotonic() - started  # the figure printed includes the summary
-    return summary
+    summary = replace(summary, export=report)
+    (out / "summary.json").write_text(
+        json.dumps(summary.as_dict(), indent=2, sort_keys=True) + "\n"
+    )
+    # The figure printed includes writing the summary.
+    return replace(summary, export=replace(report, wall_s=time.monotonic() - started))
 
 
-def _timings(summary, started, begun, first_at, last_at, tokens, marks, writing) -> dict:
-    """The run's headline figures, all on one clock from `started` (see process_started).
+def _timings(reads: FirstReads, started, begun, files: _StepFiles, marks) -> dict:
+    """The run's headline figures (ExportReport's), all on one clock from `started` (see
+    process_started).
 
     - `wall_s`: process start to the last file written;
     - `time_to_first_step_s`: process start to the first step's files written;
@@ -225,26 +265,26 @@ def _timings(summary, started, begun, first_at, last_at, tokens, marks, writing)
     - `phases`: when each stage was first reached, in seconds from process start, and the
       time spent writing files (docs/performance.md reads the breakdown from here).
     """
+    first_at, last_at, tokens = files.first_at, files.last_at, files.tokens
     end = last_at or time.monotonic()
-    first_block = summary.pop("first_block_at", None) or first_at or end
+    first_block = reads.block_at or first_at or end
     produce = end - first_block
-    reads = summary.pop("first_reads_at", {})
 
     def since(t):
         return None if t is None else round(t - started, 3)
 
-    phases = {
-        "imports_and_config": since(begun),
-        "ray_connected": since(marks["ray_connected"]),
-        "feed_started": since(marks["feed_started"]),
-        "first_block_in_process": since(reads.get("head")),
-        "first_block_from_executor": since(reads.get("executor")),
-        "first_step_written": since(first_at),
-        "last_step_written": since(last_at),
-        "writing_s": round(writing, 3),
-        "tokens_made_here": reads.get("tokens", {}).get("here", 0),
-        "tokens_made_by_executor": reads.get("tokens", {}).get("executor", 0),
-    }
+    phases = Phases(
+        imports_and_config=since(begun),
+        ray_connected=since(marks["ray_connected"]),
+        feed_started=since(marks["feed_started"]),
+        first_block_in_process=since(reads.head_at),
+        first_block_from_executor=since(reads.executor_at),
+        first_step_written=since(first_at),
+        last_step_written=since(last_at),
+        writing_s=round(files.writing, 3),
+        tokens_made_here=reads.tokens_here,
+        tokens_made_by_executor=reads.tokens_by_executor,
+    )
     return {
         "phases": phases,
         "wall_s": time.monotonic() - started,

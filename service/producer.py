@@ -32,7 +32,7 @@ class Producer:
         self.cond = cond
         self.keep_states = keep_states
         self.on_step = on_step or (lambda: None)
-        self.states: OrderedDict[int, dict] = OrderedDict({feed.step: feed.state()})
+        self.states: OrderedDict[int, dict] = OrderedDict({feed.step: feed.get_state()})
         self.state = STARTING
         self.error: str | None = None
         self.paused = False
@@ -89,7 +89,7 @@ class Producer:
                         self.cond.notify_all()
                         return
                     self.window.add(self.feed.step - 1, batch)
-                    self.states[self.feed.step] = self.feed.state()
+                    self.states[self.feed.step] = self.feed.get_state()
                     while len(self.states) > self.keep_states:
                         self.states.popitem(last=False)
                     self.on_step()

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from pipeline.config import Config
+from pipeline.config import REVEAL_SECRETS, Config
 from service.protocol import CONCURRENCY_GROUPS, FAILED, FINISHED, NAMESPACE, SERVICE_NAME, STOPPING
 from service.server import BatchServer
 
@@ -45,7 +45,8 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
     import ray
 
     _remove_if_stale(name)
-    actor_class = ray.remote(
+    # ray's stubs type only the task options here; the actor options are valid at run time.
+    actor_class = ray.remote(  # type: ignore[call-overload]
         num_cpus=0,
         max_concurrency=16,
         concurrency_groups=dict(CONCURRENCY_GROUPS),
@@ -53,7 +54,7 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
     )(BatchServer)
     placement = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
     actor = actor_class.options(name=name, namespace=NAMESPACE, **placement).remote(
-        cfg.model_dump(mode="json"), resume, prefetch, 10_000, cfg.service.rank_timeout_s,
+        cfg.model_dump(mode="json", context=REVEAL_SECRETS), resume, prefetch, 10_000, cfg.service.rank_timeout_s,
         allow_config_change,
     )  # fmt: skip
     ray.get(actor.status.remote(), timeout=120)
@@ -136,7 +137,7 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
         server = uvicorn.Server(
             uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning")
         )
-        server.install_signal_handlers = lambda: None  # ours above; uvicorn's would replace them
+        # Our handlers (above) stay: uvicorn installs none when it runs off the main thread.
         threading.Thread(target=server.run, name="tokenmill-api", daemon=True).start()
         url = f"http://{host}:{port}"
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "api": url}

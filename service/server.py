@@ -19,6 +19,7 @@ or the Ray job), so a killed `serve` never leaves a service behind that blocks t
 
 from __future__ import annotations
 
+import enum
 import os
 import socket
 import threading
@@ -27,6 +28,7 @@ import time
 from pipeline.config import Config
 from pipeline.feed import Feed, rank_slice
 from pipeline.states import StateError
+from pipeline.summary import summarize
 from service.producer import Producer
 from service.protocol import (
     POLL_S,
@@ -38,7 +40,14 @@ from service.protocol import (
 from service.telemetry import Telemetry
 from service.window import StepWindow
 
-_DEFAULT = object()
+
+class _Default(enum.Enum):
+    """A sentinel type: `rank_timeout_s` None means no timeout, so "not given" needs its own."""
+
+    TOKEN = 0
+
+
+_DEFAULT = _Default.TOKEN
 
 
 class BatchServer:
@@ -48,7 +57,7 @@ class BatchServer:
         state: dict | None = None,
         prefetch: int = 8,
         keep_states: int = 10_000,
-        rank_timeout_s: float | None | object = _DEFAULT,
+        rank_timeout_s: float | None | _Default = _DEFAULT,
         allow_config_change: bool = False,
     ):
         self.cfg = Config.model_validate(cfg_json)
@@ -117,6 +126,7 @@ class BatchServer:
             else:
                 first = r.next
             self._cond.notify_all()
+            assert self.window.world is not None  # declare() above set it
             return Welcome(first, self.window.world)
 
     def get(
@@ -284,7 +294,7 @@ class BatchServer:
 
     def metrics(self) -> dict:
         with self._cond:
-            s = self.feed.summary()
+            s = summarize(self.feed)
             tel = self.telemetry
             tok_rate, row_rate = tel.rates()
             ranks = self.window.rank_view()
@@ -298,11 +308,11 @@ class BatchServer:
                 "global_step": self.window.produced,
                 "held_steps": len(self.window.steps),
                 "prefetch": self.prefetch,
-                "real_tokens": s["real_tokens"],
-                "rows": s["rows"],
-                "packing_efficiency": s["packing_efficiency"],
-                "streams": s["streams"],
-                "tokenizer_backend": s["tokenizer_backend"],
+                "real_tokens": s.real_tokens,
+                "rows": s.rows,
+                "packing_efficiency": s.packing_efficiency,
+                "streams": {name: st.as_dict() for name, st in s.streams.items()},
+                "tokenizer_backend": s.tokenizer_backend,
                 "world_size": self.window.world,
                 "ranks": {str(r): v for r, v in ranks.items()},
                 "queue_depth": {str(r): v["lag"] for r, v in ranks.items()},
@@ -310,6 +320,6 @@ class BatchServer:
                 "data_wait_reports": sum(n for _, n in all_waits),
                 "rejects": tel.rejects_total,
                 "rejects_unlisted": tel.rejects_unlisted,
-                "mixture_history": s["mixture_history"],
+                "mixture_history": s.mixture_history,
                 "history": tel.history_view(),
             }

@@ -141,7 +141,7 @@ def test_invalid_mixture_is_a_4xx_with_a_message(client, content, fragment):
 
 def test_state_route(client):
     s = client.get("/v1/state", params={"step": 1}).json()
-    assert s["step"] == 1 and s["version"] == 2 and len(s["digest"]) == 64
+    assert s["step"] == 1 and s["version"] == 3 and len(s["digest"]) == 64
     assert client.get("/v1/state", params={"step": 10**9}).status_code == 404
     assert client.get("/v1/state", params={"step": -1}).status_code == 422
     assert client.get("/v1/state", params={"step": "abc"}).status_code == 422

@@ -8,6 +8,7 @@ import pytest
 from pipeline.chat import ChatEncoder, validate_messages
 from pipeline.config import parse_config
 from pipeline.feed import Feed
+from pipeline.reading import iter_blocks_local
 from tests.helpers import check_row, rows_of
 
 IM_START, IM_END = 100264, 100265
@@ -85,7 +86,7 @@ def test_custom_template_override(tokenizer, tmp_path):
         "tokenizer": {"name": "default", "chat_template": template, "bos_id": 100257},
         "streams": {"c": {"kind": "chat", "paths": [str(tmp_path / "c.jsonl")]}},
     })  # fmt: skip
-    batch = Feed(cfg, local=True).next_step()
+    batch = Feed(cfg, executor=iter_blocks_local).next_step()
     [row] = list(rows_of(batch))
     n = row["seq_lens"][0]
     ids, labels = np.array(row["input_ids"][:n]), np.array(row["labels"][:n])
@@ -129,12 +130,12 @@ def test_malformed_conversations_are_counted_and_good_ones_kept(tokenizer, tmp_p
     (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
     cfg = parse_config({"seq_len": 64, "global_batch_size": 1,
                         "streams": {"c": {"kind": "chat", "paths": [str(tmp_path / "c.jsonl")]}}})  # fmt: skip
-    feed = Feed(cfg, local=True)
+    feed = Feed(cfg, executor=iter_blocks_local)
     rows = []
     while (b := feed.next_step()) is not None:
         rows += list(rows_of(b))
     assert sorted(d for r in rows for d in r["doc_id"]) == [0, 3]
-    assert feed.summary()["skipped"] == {"c": 2}
+    assert feed.summary().skipped == {"c": 2}
     assert sorted(r.record for r in feed.rejects) == [1, 2]
     for row in rows:
         check_row(row, 64, tokenizer.pad_id, loss_streams={"c"})

@@ -101,3 +101,18 @@ def test_bad_yaml_is_a_config_error(tmp_path):
     p.write_text("streams: [unclosed\n")
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(p)
+
+
+def test_a_relative_tokenizer_path_resolves_next_to_the_config(tmp_path, monkeypatch):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "d.jsonl").write_text('{"text": "hi"}\n')
+    data = {"tokenizer": {"name": "tok/tokenizer.json"}, "streams": {"s": {"paths": ["d.jsonl"]}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    monkeypatch.chdir("/")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.tokenizer.name == str(tmp_path / "tok" / "tokenizer.json")
+    # A name that is no path here stays a Hub name; 'default' stays 'default'.
+    data["tokenizer"]["name"] = "org/model"
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    assert load_config(tmp_path / "c.yaml").tokenizer.name == "org/model"

@@ -2,7 +2,7 @@
 
 No container engine or Kubernetes cluster is needed: these tests parse deploy/*.yaml,
 docker-compose.yml and deploy/Dockerfile, and pin what must stay consistent across them:
-one image, one serve command, one config path, the ports, the worker groups, the Ray and
+two images (the CPU data nodes' without CUDA), one serve command, one config path, the ports, the worker groups, the Ray and
 torch versions of .ci/constraints.txt, the API token coming from a secret, and the Ray
 cluster's auth token reaching every pod and every compose service from one Secret or the
 caller's environment.
@@ -20,6 +20,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 IMAGE = "tokenmill:latest"
+DATA_IMAGE = "tokenmill-data:latest"  # the CPU data nodes: deploy/Dockerfile --target data
 SERVE = "python -m service serve --config"
 MANIFESTS = [
     "deploy/raycluster.yaml",
@@ -165,7 +166,9 @@ def test_one_image_everywhere(cluster_spec, rayjob, compose):
     for name, svc in compose.items():
         images[f"compose/{name}"] = svc.get("image")
     assert len(images) >= 10  # 3 groups x 2 manifests + 4 compose services
-    assert {k: v for k, v in images.items() if v != IMAGE} == {}
+    data = {k for k in images if f"/{DATA_GROUP}/" in k or k == "compose/ray-worker"}
+    assert len(data) == 3, data
+    assert {k: v for k, v in images.items() if v != (DATA_IMAGE if k in data else IMAGE)} == {}
 
 
 def test_compose_builds_the_image_from_the_dockerfile(compose):
@@ -175,6 +178,8 @@ def test_compose_builds_the_image_from_the_dockerfile(compose):
         context = ROOT / build["context"]
         assert context.resolve() == ROOT, f"{name}: build context must be the repo root"
         assert (context / build["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+        want = "data" if svc["image"] == DATA_IMAGE else None
+        assert build.get("target") == want, f"{name}: builds target {build.get('target')!r}"
 
 
 def test_worker_groups_and_resources(cluster_spec):
@@ -217,7 +222,7 @@ def test_config_path_is_the_same_everywhere(rayjob, compose, dockerfile):
     compose_config = _flag(_command(compose["tokenmill"]), "--config")
     assert job_config == compose_config
     # The path lies inside the tree the image copies the repository to.
-    (app,) = [args.split()[-1] for instr, args in dockerfile if instr == "COPY"]
+    (app,) = {args.split()[-1] for instr, args in dockerfile if instr == "COPY"}  # both images
     assert Path(job_config).is_relative_to(app), f"{job_config} is outside {app}"
 
 
@@ -249,22 +254,44 @@ def test_compose_cluster_wiring(compose):
         assert compose[name]["shm_size"] == "2gb", f"{name}: Ray's object store needs /dev/shm"
 
 
+def _stages(dockerfile) -> dict[str, list[str]]:
+    """RUN arguments of each named build stage."""
+    stages, name = {}, None
+    for instr, args in dockerfile:
+        if instr == "FROM":
+            name = args.split(" AS ")[-1] if " AS " in args else args
+            stages[name] = []
+        elif instr == "RUN":
+            stages[name].append(args)
+    return stages
+
+
 def test_dockerfile_installs_pinned(dockerfile):
-    assert dockerfile[0] == ("FROM", "python:3.11-slim")
-    runs = [args for instr, args in dockerfile if instr == "RUN"]
-    project = [r for r in runs if "pip install" in r and "-e" in shlex.split(r)]
-    assert len(project) == 1, runs
-    words = shlex.split(project[0])
-    assert words[words.index("-c") + 1] == ".ci/constraints.txt"
-    assert (ROOT / ".ci/constraints.txt").is_file()
-    assert words[words.index("-e") + 1] == ".[serve,dev]"
-    # torch/torchvision are installed first, with the same pins as CI.
-    torch = [r for r in runs if "torch==" in r]
-    assert torch and runs.index(torch[0]) < runs.index(project[0])
+    assert dockerfile[0] == ("FROM", "python:3.11-slim AS base")
+    stages = _stages(dockerfile)
+    assert list(stages) == ["base", "data", "full"], list(stages)  # `full` is the default
     pins = _pins()
-    for pkg in ("torch", "torchvision"):
-        assert f"{pkg}=={pins[pkg]}" in shlex.split(torch[0]), f"{pkg} pin differs from CI"
-    assert any("default_tokenizer_file()" in r for r in runs), "tokenizer cache not pre-built"
+    extras = {"data": ".[serve,mds]", "full": ".[serve,mds,trainer,dev]"}
+    for stage, runs in stages.items():
+        if stage == "base":
+            assert not any("pip install" in r for r in runs)
+            continue
+        project = [r for r in runs if "pip install" in r and "-e" in shlex.split(r)]
+        assert len(project) == 1, runs
+        words = shlex.split(project[0])
+        assert words[words.index("-c") + 1] == ".ci/constraints.txt"
+        assert words[words.index("-e") + 1] == extras[stage]
+        # torch/torchvision are installed first, with the same pins as CI.
+        torch = [r for r in runs if "torch==" in r]
+        assert torch and runs.index(torch[0]) < runs.index(project[0])
+        for pkg in ("torch", "torchvision"):
+            assert f"{pkg}=={pins[pkg]}" in shlex.split(torch[0]), f"{pkg} pin differs from CI"
+        # The CPU data image takes PyTorch's CPU-only wheels: no CUDA libraries.
+        cpu_index = "https://download.pytorch.org/whl/cpu" in torch[0]
+        assert cpu_index == (stage == "data"), stage
+        assert any("default_tokenizer_file()" in r for r in runs), "tokenizer cache not pre-built"
+        assert any("service corpus" in r for r in runs), "demo corpus not built"
+    assert (ROOT / ".ci/constraints.txt").is_file()
     env = " ".join(args for instr, args in dockerfile if instr == "ENV")
     assert "RAYON_NUM_THREADS=1" in env and "TOKENIZERS_PARALLELISM=false" in env
 

@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import parse_config
+from pipeline.reading import iter_blocks_local
 from service.export import run_export
 from tests.helpers import check_row, reassemble, rows_of
 
@@ -48,7 +49,7 @@ def test_export_every_document_exact_and_invariants(ray_cluster, corpus, tokeniz
     cfg = config(corpus, mode)
     summary = run_export(cfg, tmp_path / "out", world_size=2)
     steps = read_export(tmp_path / "out")
-    assert len(steps) == summary["steps_written"] > 5
+    assert len(steps) == summary.export.steps_written > 5
     meta = steps[0][1].schema.metadata
     assert meta[b"global_step"] == b"0" and meta[b"rank"] == b"1" and meta[b"world_size"] == b"2"
     assert meta[b"config_hash"].decode() == cfg.config_hash() and meta[b"seq_len"] == b"256"
@@ -71,28 +72,28 @@ def test_export_every_document_exact_and_invariants(ray_cluster, corpus, tokeniz
     assert docs.keys() == want.keys()
     for key, ids in want.items():
         assert docs[key].tolist() == ids
-    assert summary["skipped"] == {"code": 1}
+    assert summary.skipped == {"code": 1}
     rejects = [json.loads(x) for x in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
     assert rejects == [
         {"stream": "code", "file": files[1], "record": 4, "reason": rejects[0]["reason"]}
     ]
-    assert summary["packing_efficiency"] > (0.99 if mode == "concat" else 0.95)
+    assert summary.packing_efficiency > (0.99 if mode == "concat" else 0.95)
     assert (
         json.loads((tmp_path / "out" / "summary.json").read_text())["real_tokens"]
-        == summary["real_tokens"]
+        == summary.real_tokens
     )
 
 
 def test_two_runs_are_byte_identical_and_match_the_in_process_feed(ray_cluster, corpus, tmp_path):
     cfg = config(corpus, "bfd")
     summary = run_export(cfg, tmp_path / "a", steps=6)
-    assert summary["tokenizer_backend"]["tiktoken"] > 0  # the fast backend did run
+    assert summary.tokenizer_backend["tiktoken"] > 0  # the fast backend did run
     run_export(cfg, tmp_path / "b", steps=6)
-    run_export(cfg, tmp_path / "c", steps=6, local=True)
+    run_export(cfg, tmp_path / "c", steps=6, executor=iter_blocks_local)
     # The HF tokenizer alone gives the same bytes as the verified fast backend.
     hf = config(corpus, "bfd", tokenizer={"backend": "hf"})
     summary = run_export(hf, tmp_path / "h", steps=6)
-    assert summary["tokenizer_backend"]["tiktoken"] == 0 < summary["tokenizer_backend"]["hf"]
+    assert summary.tokenizer_backend["tiktoken"] == 0 < summary.tokenizer_backend["hf"]
     names = sorted(p.name for p in (tmp_path / "a").glob("step-*"))
     assert len(names) == 6
     for name in names:
@@ -148,7 +149,7 @@ def test_cli_export_against_a_running_cluster(ray_cluster, corpus, tmp_path):
 def test_resume_from_exported_states_on_ray_any_world_size(ray_cluster, corpus, tmp_path):
     cfg = config(corpus, "bfd")
     straight = run_export(cfg, tmp_path / "s", steps=12, world_size=2, state_every=4)
-    assert straight["steps_written"] == 12
+    assert straight.export.steps_written == 12
     states = sorted(p.name for p in (tmp_path / "s").glob("state-*.json"))
     assert states == ["state-00000004.json", "state-00000008.json", "state-00000012.json"]
     state = json.loads((tmp_path / "s" / "state-00000004.json").read_text())

@@ -4,6 +4,7 @@ together (issue 15: honest figures from process start)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -11,7 +12,9 @@ import pytest
 
 from pipeline.config import parse_config
 from pipeline.exports import compact, expand, read_step
+from pipeline.reading import iter_blocks_local
 from service.export import run_export
+from tests.conftest import stdlib_texts, write_jsonl
 from tests.test_pretokenized import SEQ, _corpus
 
 
@@ -28,9 +31,11 @@ def _config(src, chat: bool, mode: str = "bfd"):
 @pytest.mark.parametrize("fmt", ["parquet", "arrow"])
 def test_compact_export_expands_to_the_full_export(tmp_path, chat, fmt):
     cfg = _config(_corpus(tmp_path), chat)
-    full = run_export(cfg, tmp_path / "full", local=True, layout="full", fmt=fmt, world_size=2)
-    small = run_export(cfg, tmp_path / "small", local=True, fmt=fmt, world_size=2)
-    assert small["layout"] == "compact" and full["layout"] == "full"
+    full = run_export(
+        cfg, tmp_path / "full", executor=iter_blocks_local, layout="full", fmt=fmt, world_size=2
+    )
+    small = run_export(cfg, tmp_path / "small", executor=iter_blocks_local, fmt=fmt, world_size=2)
+    assert small.export.layout == "compact" and full.export.layout == "full"
     files = sorted(p.name for p in (tmp_path / "full").glob("step-*"))
     assert files and files == sorted(p.name for p in (tmp_path / "small").glob("step-*"))
     for name in files:
@@ -48,7 +53,7 @@ def test_compact_export_expands_to_the_full_export(tmp_path, chat, fmt):
 
 def test_compact_keeps_labels_that_are_not_the_derived_ones(tmp_path):
     cfg = _config(_corpus(tmp_path), chat=True)
-    run_export(cfg, tmp_path / "full", local=True, layout="full")
+    run_export(cfg, tmp_path / "full", executor=iter_blocks_local, layout="full")
     masked = [
         b
         for p in sorted((tmp_path / "full").glob("step-*"))
@@ -65,13 +70,13 @@ def test_compact_keeps_labels_that_are_not_the_derived_ones(tmp_path):
 
 def test_export_figures_count_from_process_start_and_hold_together(tmp_path):
     cfg = _config(_corpus(tmp_path), chat=False, mode="concat")
-    s = run_export(cfg, tmp_path / "o", local=True)
+    s = run_export(cfg, tmp_path / "o", executor=iter_blocks_local)
     on_disk = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert 0 < on_disk["startup_s"] <= on_disk["time_to_first_step_s"] <= on_disk["wall_s"]
     assert on_disk["time_to_first_block_s"] <= on_disk["time_to_first_step_s"]
-    assert on_disk["wall_s"] <= s["wall_s"]
+    assert on_disk["wall_s"] <= s.export.wall_s
     assert on_disk["tokens_per_s"] == pytest.approx(
-        s["real_tokens"] / (on_disk["startup_s"] + on_disk["elapsed_s"]), rel=1e-6
+        s.real_tokens / (on_disk["startup_s"] + on_disk["elapsed_s"]), rel=1e-6
     )
     # The steady window is inside the run, so its rate can only be the higher one.
     assert on_disk["steady_tokens_per_s"] >= on_disk["tokens_per_s"] > 0
@@ -81,14 +86,19 @@ def test_export_figures_count_from_process_start_and_hold_together(tmp_path):
 
 def test_an_unknown_layout_is_refused(tmp_path):
     with pytest.raises(ValueError, match="layout 'tiny'"):
-        run_export(_config(_corpus(tmp_path), False), tmp_path / "o", local=True, layout="tiny")
+        run_export(
+            _config(_corpus(tmp_path), False),
+            tmp_path / "o",
+            executor=iter_blocks_local,
+            layout="tiny",
+        )
 
 
 def test_full_layout_schema_is_the_batch_schema(tmp_path):
     from pipeline.schema import batch_schema
 
     cfg = _config(_corpus(tmp_path), chat=True)
-    run_export(cfg, tmp_path / "o", local=True, layout="full", steps=1)
+    run_export(cfg, tmp_path / "o", executor=iter_blocks_local, layout="full", steps=1)
     t = pq.read_table(next((tmp_path / "o").glob("step-*")))
     assert t.schema.remove_metadata().equals(batch_schema(SEQ))
     assert isinstance(t, pa.Table)
@@ -112,7 +122,7 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
             "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}},
         }
     )
-    units = Feed(cfg, local=True).streams[0].units(0)
+    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
     stream = cfg.streams["code"]
     plain = list(iter_blocks_local(units, stream, cfg.tokenizer))
     made: dict[str, list[int]] = {"local": [], "executor": []}
@@ -135,6 +145,40 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
     assert made["local"][:1] == [0] and made["executor"]  # both took part
     assert [b.num_rows for b in got] == [b.num_rows for b in plain]
     assert all(a.equals(b) for a, b in zip(got, plain, strict=True))
+
+
+def test_a_head_start_that_made_everything_does_not_wait_for_ray(tmp_path):
+    """Fewer units than the executor takes: this process makes them all, and neither the
+    blocks nor `close` wait for a Ray that is still starting (a small export used to end only
+    once Ray was up, 5-10 s cold on 2 cores)."""
+    import time
+    from concurrent.futures import Future
+
+    from pipeline.feed import Feed
+    from pipeline.headstart import MIN_UNITS_FOR_EXECUTOR, HeadStart
+    from pipeline.reading import iter_blocks_local
+
+    cfg = parse_config(
+        {"seq_len": SEQ, "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}}}
+    )
+    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
+    assert len(units) < MIN_UNITS_FOR_EXECUTOR
+    stream = cfg.streams["code"]
+
+    def executor(us, st, tok):
+        raise AssertionError("the executor ran before Ray was up")
+
+    never: Future = Future()  # Ray, still starting
+    t0 = time.monotonic()
+    head = HeadStart(units, stream, cfg.tokenizer, executor, never, iter_blocks_local)
+    got = list(head)
+    head.close()
+    assert time.monotonic() - t0 < 5
+    assert all(
+        a.equals(b)
+        for a, b in zip(got, iter_blocks_local(units, stream, cfg.tokenizer), strict=True)
+    )
+    assert head.tokens["executor"] == 0 and not any(t.is_alive() for t in head._threads)
 
 
 def test_cli_export_exits_at_once_and_leaves_no_ray_process(tmp_path):
@@ -182,3 +226,29 @@ def _processes_mentioning(text: str) -> list[str]:
         if text in cmd:
             found.append(f"{pid}: {cmd[:120]}")
     return found
+
+
+def test_the_first_step_does_not_import_pandas(tmp_path):
+    """pyarrow's `pa.array`/`to_numpy` import pandas on first use (0.35-0.5 s, 294 modules):
+    the path to an export's first step builds its arrays from buffers instead
+    (pipeline/arrays.py). Run in a fresh process, where nothing imported pandas yet."""
+    import subprocess
+    import sys
+
+    write_jsonl(tmp_path / "d.jsonl", stdlib_texts(20, max_bytes=3000))
+    code = f"""
+import sys
+from pathlib import Path
+from pipeline.config import parse_config
+from pipeline.exports import compact
+from pipeline.feed import Feed
+from pipeline.reading import iter_blocks_local
+from service.export import _write
+cfg = parse_config({{"seq_len": 256, "global_batch_size": 4,
+                    "streams": {{"s": {{"paths": ["{tmp_path / "d.jsonl"}"]}}}}}})
+feed = Feed(cfg, iter_blocks_local)
+feed.full_batches = False
+_write(compact(feed.next_step(), False), Path("{tmp_path / "s.parquet"}"), "parquet")
+assert "pandas" not in sys.modules, "pandas was imported on the way to the first step"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)

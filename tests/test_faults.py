@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.config import parse_config
 from pipeline.feed import Feed
+from pipeline.reading import iter_blocks_local
 from service.export import run_export
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
@@ -45,7 +46,7 @@ def _tokenizing_workers() -> list[int]:
 def test_killed_tokenization_worker_changes_nothing(ray_cluster, tmp_path):
     write_jsonl(tmp_path / "d.jsonl", stdlib_texts(400, max_bytes=8000))
     cfg = _cfg(tmp_path / "d.jsonl", packing={"mode": "concat"})
-    run_export(cfg, tmp_path / "clean", local=True)
+    run_export(cfg, tmp_path / "clean", executor=iter_blocks_local)
     killed = []
 
     def killer():
@@ -76,7 +77,7 @@ def test_service_restarted_from_the_last_state_continues_exactly(ray_cluster, tm
 
     write_jsonl(tmp_path / "d.jsonl", stdlib_texts(40, max_bytes=4000))
     cfg = _cfg(tmp_path / "d.jsonl")
-    straight = Feed(cfg, local=True)
+    straight = Feed(cfg, executor=iter_blocks_local)
     want = [list(rows_of(straight.next_step())) for _ in range(7)]
 
     first = start_server(cfg, name=f"fa{os.getpid()}", prefetch=2)
@@ -85,8 +86,9 @@ def test_service_restarted_from_the_last_state_continues_exactly(ray_cluster, tm
     state = json.loads(json.dumps(client.state_dict()))
     assert state["step"] == 3
     ray_cluster.kill(first)
-    with pytest.raises(FeedError):
-        next(client)
+    with pytest.raises(FeedError):  # after the steps the client had already fetched ahead
+        for _ in range(Client.LOOKAHEAD + 1):
+            next(client)
     second = start_server(cfg, name=f"fb{os.getpid()}", resume=state)
     try:
         client = Client.connect(
@@ -110,11 +112,11 @@ def test_shard_corrupted_between_runs(tmp_path, on_error):
         pq.write_table(pa.table({"text": texts[4 * i : 4 * i + 4]}), tmp_path / f"p{i}.parquet")
     cfg = _cfg(tmp_path / "*.parquet", on_error=on_error, shuffle={"files": False, "window": 1},
                packing={"mode": "concat"})  # fmt: skip
-    feed = Feed(cfg, local=True)
+    feed = Feed(cfg, executor=iter_blocks_local)
     feed.next_step()
-    state = feed.state()
+    state = feed.get_state()
     (tmp_path / "p2.parquet").write_bytes(b"PAR1 garbage")  # corrupted after the state was taken
-    resumed = Feed(cfg, local=True, state=state)
+    resumed = Feed(cfg, executor=iter_blocks_local, state=state)
     if on_error == "fail":
         with pytest.raises(ValueError, match=r"p2\.parquet.*corrupt"):
             while resumed.next_step() is not None:
@@ -122,7 +124,7 @@ def test_shard_corrupted_between_runs(tmp_path, on_error):
     else:
         while resumed.next_step() is not None:
             pass
-        assert resumed.summary()["skipped"] == {"s": 1}
+        assert resumed.summary().skipped == {"s": 1}
         assert [r.file.rsplit("/", 1)[-1] for r in resumed.rejects] == ["p2.parquet"]
 
 
@@ -137,28 +139,29 @@ def test_replay_through_a_corrupted_shard_is_a_clear_error(tmp_path):
         shuffle={"files": False, "window": 1},
         packing={"mode": "bfd", "buffer": 64},
     )
-    feed = Feed(cfg, local=True)
+    feed = Feed(cfg, executor=iter_blocks_local)
     feed.next_step()
-    state = feed.state()  # the bfd buffer holds documents of every file
+    state = feed.get_state()  # the bfd buffer holds documents of every file
     (tmp_path / "p1.parquet").write_bytes(b"PAR1 garbage")
     with pytest.raises(ValueError, match="sources changed since the state was written"):
-        Feed(cfg, local=True, state=state)
+        Feed(cfg, executor=iter_blocks_local, state=state)
 
 
 def test_resume_seeks_instead_of_re_reading_the_prefix(tmp_path):
     """Resuming late in a stream re-reads about one window plus the packing buffer, not the prefix."""
     write_jsonl(tmp_path / "d.jsonl", stdlib_texts(200, max_bytes=6000))
     cfg = _cfg(tmp_path / "d.jsonl", packing={"mode": "bfd", "buffer": 16})
-    feed = Feed(cfg, local=True)
-    states = {}
+    feed = Feed(cfg, executor=iter_blocks_local)
+    states, read = {}, {}
     for step in range(400):
-        states[step] = feed.state()
+        states[step], read[step] = feed.get_state(), feed.streams[0].counters.docs
         if feed.next_step() is None:
             break
-    late = states[max(states) - 5]
-    assert late["streams"]["s"]["next"][4] > 150  # deep into the stream
-
-    resumed = Feed(cfg, local=True, state=late)  # the replay happens here
-    reread = resumed.streams[0].counters.docs - late["streams"]["s"]["restart"][4]
-    assert reread <= cfg.shuffle.window + 2 * cfg.packing.buffer
-    assert resumed.streams[0].counters.docs == late["streams"]["s"]["next"][4] or reread > 0
+    late = max(states) - 5
+    assert read[late] > 150  # deep into the stream
+    # where the resumed stream starts reading: the window of the oldest document still held
+    restart = states[late]["packer"]["streams"]["s"]["input"]["input"]["position"]
+    reread = read[late] - restart[3]  # (epoch, unit, row, docs, ...)
+    assert 0 < reread <= cfg.shuffle.window + 2 * cfg.packing.buffer
+    resumed = Feed(cfg, executor=iter_blocks_local, state=states[late])  # the replay happens here
+    assert resumed.streams[0].counters.docs == read[late]  # it read up to where the run stood

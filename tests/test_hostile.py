@@ -11,6 +11,7 @@ import pytest
 from pipeline.config import parse_config
 from pipeline.documents import BadRecordError
 from pipeline.feed import Feed
+from pipeline.reading import iter_blocks_local
 from tests.conftest import stdlib_texts
 from tests.helpers import reassemble, rows_of
 
@@ -48,7 +49,7 @@ def _cfg(tmp_path, paths, on_error="skip", **extra):
 
 
 def _run(cfg):
-    feed = Feed(cfg, local=True)
+    feed = Feed(cfg, executor=iter_blocks_local)
     rows = []
     while (b := feed.next_step()) is not None:
         rows += list(rows_of(b))
@@ -63,8 +64,8 @@ def test_skip_keeps_every_good_record_and_counts_every_bad_one(tmp_path, tokeniz
         want = tokenizer.tokenizer.encode(text, add_special_tokens=False).ids + [tokenizer.eos_id]
         assert docs[("h", doc_id)].tolist() == want
     s = feed.summary()
-    assert s["skipped"] == {"h": n_bad}
-    assert s["streams"]["h"]["split"] == 1  # the 2.4 MB document, in seq_len pieces
+    assert s.skipped == {"h": n_bad}
+    assert s.streams["h"].split == 1  # the 2.4 MB document, in seq_len pieces
     reasons = {r.record: r.reason for r in feed.rejects}
     assert set(reasons) == {1, 2, 3, 4, 6, 7, 8, 9, 10, 13}
     assert "invalid JSON" in reasons[1] and "missing field 'text'" in reasons[2]
@@ -75,7 +76,9 @@ def test_skip_keeps_every_good_record_and_counts_every_bad_one(tmp_path, tokeniz
 
 def test_fail_names_the_file_and_record(tmp_path):
     hostile_jsonl(tmp_path / "h.jsonl")
-    feed = Feed(_cfg(tmp_path, [str(tmp_path / "h.jsonl")], on_error="fail"), local=True)
+    feed = Feed(
+        _cfg(tmp_path, [str(tmp_path / "h.jsonl")], on_error="fail"), executor=iter_blocks_local
+    )
     with pytest.raises(BadRecordError, match=r"h\.jsonl, record 1: invalid JSON"):
         while feed.next_step() is not None:
             pass

@@ -10,6 +10,7 @@ import yaml
 
 from pipeline.config import ConfigError, parse_config
 from pipeline.feed import Feed
+from pipeline.reading import iter_blocks_local
 from tests.conftest import stdlib_texts, write_jsonl
 
 
@@ -22,8 +23,8 @@ def two_streams(tmp_path, wa, wb, **over):
 
 
 def test_weights_whose_sum_overflows_mix_like_equal_weights(tmp_path):
-    huge = Feed(parse_config(two_streams(tmp_path, 1e308, 1e308)), local=True)
-    equal = Feed(parse_config(two_streams(tmp_path, 1, 1)), local=True)
+    huge = Feed(parse_config(two_streams(tmp_path, 1e308, 1e308)), executor=iter_blocks_local)
+    equal = Feed(parse_config(two_streams(tmp_path, 1, 1)), executor=iter_blocks_local)
     try:
         for _ in range(5):
             assert huge.next_step().equals(equal.next_step())

@@ -59,7 +59,7 @@ def test_lone_surrogate_is_a_named_reject_with_every_backend(tmp_path, tokenizer
     cfg = _cfg([str(tmp_path / "s.jsonl")], tokenizer={"backend": backend})
     feed, docs = _run(cfg)
     _assert_kept(docs, tokenizer, good)
-    assert feed.summary()["skipped"] == {"h": 2}
+    assert feed.summary().skipped == {"h": 2}
     got = {(r.file, r.record): r.reason for r in feed.rejects}
     path = str(tmp_path / "s.jsonl")
     assert got == {
@@ -146,7 +146,7 @@ def test_truncated_gzip_keeps_every_complete_record_before_the_cut(tmp_path, tok
     assert 1000 < complete < 3000
     feed, docs = _run(_cfg([str(tmp_path / "t.jsonl.gz")]))
     _assert_kept(docs, tokenizer, {i: texts[i] for i in range(complete)})
-    assert feed.summary()["skipped"] == {"h": 1}
+    assert feed.summary().skipped == {"h": 1}
     (r,) = feed.rejects
     assert (r.file, r.record) == (str(tmp_path / "t.jsonl.gz"), complete)
     assert r.reason == (

@@ -8,6 +8,7 @@ import pytest
 from pipeline.config import parse_config
 from pipeline.feed import Feed
 from pipeline.mixing import DeficitMixer
+from pipeline.reading import iter_blocks_local
 from service.demo_corpus import _chat_pairs
 from tests.conftest import STDLIB, stdlib_texts, write_jsonl
 from tests.helpers import check_row, reassemble, rows_of
@@ -37,7 +38,7 @@ def three_streams(tmp_path):
 def run(streams, steps, mode="bfd", **extra):
     cfg = parse_config({"seed": 3, "seq_len": SEQ, "global_batch_size": 8, "packing": {"mode": mode, "buffer": 64},
                         "streams": streams, **extra})  # fmt: skip
-    feed = Feed(cfg, local=True)
+    feed = Feed(cfg, executor=iter_blocks_local)
     batches = []
     for _ in range(steps):
         b = feed.next_step()
@@ -73,8 +74,8 @@ def test_three_streams_track_token_shares_at_every_prefix(three_streams, tokeniz
     for s, w in target.items():
         assert abs(totals[s] / whole - w) < 0.005
     summary = feed.summary()
-    assert {s: round(v["realized_share"], 2) for s, v in summary["streams"].items()} == target
-    assert all(v["docs"] > 0 and v["tokens"] == totals[s] for s, v in summary["streams"].items())
+    assert {s: round(v.realized_share, 2) for s, v in summary.streams.items()} == target
+    assert all(v.docs > 0 and v.tokens == totals[s] for s, v in summary.streams.items())
 
 
 def test_pretrain_and_chat_share_a_batch_and_chat_loss_is_assistant_only(three_streams, tokenizer):
@@ -107,7 +108,7 @@ def test_schedule_switches_at_exactly_the_stated_step(three_streams):
         for s in since:
             since[s] += t.get(s, 0)
         assert abs(since["code"] - since["chat"]) <= 2 * SEQ
-    hist = feed.summary()["mixture_history"]
+    hist = feed.summary().mixture_history
     assert [(h["step"], h["source"]) for h in hist] == [(0, "config"), (20, "schedule")]
 
 
@@ -135,8 +136,8 @@ def test_exhaustion_stops_or_renormalizes_as_configured(tmp_path):
     }
     stop, b1 = run(streams, steps=1000, mixing={"on_exhausted": "stop"})
     ren, b2 = run(streams, steps=1000, mixing={"on_exhausted": "renormalize"})
-    assert "stopping the run" in stop.summary()["exhausted"][0]
-    assert "renormalizing" in ren.summary()["exhausted"][0]
+    assert "stopping the run" in stop.summary().exhausted[0]
+    assert "renormalizing" in ren.summary().exhausted[0]
     assert len(b2) > len(b1)
     docs = reassemble(r for b in b2 for r in rows_of(b))
     assert len([k for k in docs if k[0] == "big"]) == 20  # renormalized: every big doc served
@@ -147,12 +148,12 @@ def test_repeat_and_token_cap(tmp_path):
     once, _ = run({"a": {"paths": [str(tmp_path / "a.jsonl")]}}, steps=10_000)
     twice, _ = run({"a": {"paths": [str(tmp_path / "a.jsonl")], "repeat": 2}}, steps=10_000)
     capped, _ = run({"a": {"paths": [str(tmp_path / "a.jsonl")], "max_tokens": 1000}}, steps=10_000)
-    n1 = once.summary()["streams"]["a"]
-    assert twice.summary()["streams"]["a"]["tokens"] == 2 * n1["tokens"]
-    assert twice.summary()["streams"]["a"]["epochs_started"] == 2
-    c = capped.summary()["streams"]["a"]
-    assert 1000 <= c["tokens"] < n1["tokens"]  # whole documents until the cap is reached
-    assert c["docs"] < n1["docs"]
+    n1 = once.summary().streams["a"]
+    assert twice.summary().streams["a"].tokens == 2 * n1.tokens
+    assert twice.summary().streams["a"].epochs_started == 2
+    c = capped.summary().streams["a"]
+    assert 1000 <= c.tokens < n1.tokens  # whole documents until the cap is reached
+    assert c.docs < n1.docs
 
 
 def test_mixer_picks_deterministically_by_deficit():

@@ -24,11 +24,9 @@ def docs_from(lengths, stream=0, base=1):
 def pack_all(mode, lengths_by_stream, seq_len, overflow="split", buffer=8, weights=None):
     names = [f"s{i}" for i in range(len(lengths_by_stream))]
     docs = [docs_from(ls, stream=i) for i, ls in enumerate(lengths_by_stream)]
-    mixer = DeficitMixer(names, weights or dict.fromkeys(names, 1.0))
-    on_exhausted = "renormalize"
-    packer = make_packer(
-        mode, seq_len, overflow, [iter(d) for d in docs], mixer, on_exhausted, buffer
-    )
+    mixer = DeficitMixer(names, weights or dict.fromkeys(names, 1.0), "renormalize")
+    sources = {n: iter(d) for n, d in zip(names, docs, strict=True)}
+    packer = make_packer(mode, seq_len, overflow, sources, mixer, buffer)
     rows = []
     while (row := packer.next_row()) is not None:
         rows.append(row)
@@ -99,8 +97,9 @@ def test_mixture_tracks_target_within_one_row_at_every_prefix(mode, weights, seq
     ]
     names = [f"s{i}" for i in range(n)]
     docs = [docs_from(ls, stream=i) for i, ls in enumerate(streams)]
-    mixer = DeficitMixer(names, dict(zip(names, weights, strict=True)))
-    packer = make_packer(mode, seq_len, "split", [iter(d) for d in docs], mixer, "stop", 16)
+    mixer = DeficitMixer(names, dict(zip(names, weights, strict=True)), "stop")
+    sources = {n: iter(d) for n, d in zip(names, docs, strict=True)}
+    packer = make_packer(mode, seq_len, "split", sources, mixer, 16)
     w = np.array(weights) / sum(weights)
     placed = np.zeros(n)
     for _ in range(60):

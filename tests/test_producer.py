@@ -8,6 +8,7 @@ import pytest
 from pipeline.config import parse_config
 from pipeline.documents import Reject
 from pipeline.feed import Feed
+from pipeline.reading import iter_blocks_local
 from service.producer import Producer
 from service.protocol import FAILED, FINISHED, PAUSED
 from service.telemetry import Telemetry
@@ -27,7 +28,7 @@ def parts(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", stdlib_texts(6, max_bytes=2000))
     cfg = parse_config({"seq_len": 64, "global_batch_size": 2, "shuffle": {"window": 2},
                         "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}})  # fmt: skip
-    feed = Feed(cfg, local=True)
+    feed = Feed(cfg, executor=iter_blocks_local)
     window, cond = StepWindow(0, 3, None), threading.Condition()
     producer = Producer(feed, window, cond)
     yield producer, window, cond

@@ -16,6 +16,7 @@ import ray
 
 from pipeline.config import parse_config
 from pipeline.exports import read_step
+from pipeline.reading import iter_blocks_local
 from service.export import run_export
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
@@ -82,7 +83,7 @@ def pull(name, rank, world, n, out, delay_s=0.0, start_after_s=0.0):
 
 def exported(cfg, tmp_path, steps, world):
     out = tmp_path / f"export-w{world}"
-    run_export(cfg, out, steps=steps, world_size=world, local=True)
+    run_export(cfg, out, steps=steps, world_size=world, executor=iter_blocks_local)
     rows = {}
     for r in range(world):
         for s in range(steps):

@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.config import parse_config
 from pipeline.feed import Feed
+from pipeline.reading import iter_blocks_local
 from pipeline.sources import _jsonl_pieces, read_piece
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.helpers import reassemble, rows_of
@@ -17,7 +18,7 @@ from tests.helpers import reassemble, rows_of
 def export_local(streams, seq_len=256, mode="bfd", **extra):
     cfg = parse_config({"seq_len": seq_len, "global_batch_size": 4, "packing": {"mode": mode},
                         "streams": streams, **extra})  # fmt: skip
-    feed = Feed(cfg, local=True)
+    feed = Feed(cfg, executor=iter_blocks_local)
     rows = []
     while (b := feed.next_step()) is not None:
         rows += list(rows_of(b))
@@ -131,8 +132,8 @@ def test_export_formats_hold_the_parquet_rows(tmp_path, fmt):
             "streams": {"s": {"paths": [str(tmp_path / "d.jsonl")]}},
         }
     )
-    run_export(cfg, tmp_path / "p", local=True)
-    run_export(cfg, tmp_path / "o", local=True, fmt=fmt)
+    run_export(cfg, tmp_path / "p", executor=iter_blocks_local)
+    run_export(cfg, tmp_path / "o", executor=iter_blocks_local, fmt=fmt)
     want = [
         r
         for f in sorted((tmp_path / "p").glob("step-*.parquet"))

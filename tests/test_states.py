@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from pipeline.config import parse_config
 from pipeline.feed import Feed
+from pipeline.reading import iter_blocks_local
 from pipeline.states import StateError, check_state, digest, seal
 from tests.conftest import stdlib_texts, write_jsonl
 
@@ -25,17 +26,17 @@ def run(tmp_path_factory):
                         "packing": {"mode": "bfd", "buffer": 8},
                         "streams": {"a": {"paths": [str(d / "a.jsonl")], "weight": 0.6},
                                     "b": {"paths": [str(d / "b.jsonl")], "weight": 0.4}}})  # fmt: skip
-    feed = Feed(cfg, local=True)
+    feed = Feed(cfg, executor=iter_blocks_local)
     for _ in range(3):
         feed.next_step()
-    state = json.loads(json.dumps(feed.state()))
+    state = json.loads(json.dumps(feed.get_state()))
     after = [feed.next_step() for _ in range(4)]
     feed.close()
     return cfg, state, after
 
 
 def resumes_exactly(cfg, state, after) -> None:
-    feed = Feed(cfg, local=True, state=state)
+    feed = Feed(cfg, executor=iter_blocks_local, state=state)
     try:
         for want in after:
             assert feed.next_step().equals(want)
@@ -49,15 +50,20 @@ def names(cfg):
 
 def test_an_intact_state_resumes_exactly_and_is_a_few_kb(run):
     cfg, state, after = run
-    assert state["version"] == 2 and state["digest"] == digest(state)
+    assert state["version"] == 3 and state["digest"] == digest(state)
     assert len(json.dumps(state)) < 8_000
     resumes_exactly(cfg, state, after)
+
+
+def source_of(state, name):
+    """A stream's DocSource state, nested in the packer's and the shuffle window's."""
+    return state["packer"]["streams"][name]["input"]["input"]
 
 
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda s: s["streams"]["a"]["next"].__setitem__(2, -1), "digest does not match"),
+        (lambda s: source_of(s, "a")["position"].__setitem__(2, -1), "digest does not match"),
         (lambda s: s["feed"].__setitem__("finished", True), "digest does not match"),
         (lambda s: s.__setitem__("digest", "0" * 64), "digest does not match"),
         (lambda s: s.pop("digest"), "digest does not match"),
@@ -71,23 +77,38 @@ def test_an_edited_state_is_refused_by_its_digest(run, edit, message):
         check_state(bad, cfg.config_hash(), names(cfg), False)
 
 
+MIXER = ("packer", "mixer")
+
+
+def at(state, *path):
+    for key in path:
+        state = state[key]
+    return state
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
         (
-            lambda s: s["streams"]["a"]["restart"].__setitem__(2, -1),
-            r"streams.a.restart must be integers >= 0",
+            lambda s: source_of(s, "a")["position"].__setitem__(2, -1),
+            r"packer.streams.a.input.input.position must be integers >= 0",
         ),
         (
-            lambda s: s["streams"]["a"].__setitem__("next", [0, 1]),
-            r"streams.a.next must have 8 entries",
+            lambda s: source_of(s, "a").__setitem__("position", [0, 1]),
+            r"packer.streams.a.input.input.position must have 6 entries",
         ),
-        (lambda s: s["mixer"]["target"].__setitem__(0, float("nan")), "not plain JSON|finite"),
-        (lambda s: s["mixer"]["placed"].__setitem__(1, -5), r"mixer.placed must be integers >= 0"),
+        (
+            lambda s: s["packer"]["streams"]["a"]["input"].__setitem__("window", "x"),
+            r"packer.streams.a.input.window must be int",
+        ),
+        (lambda s: at(s, *MIXER, "target").__setitem__("a", float("nan")), "not plain JSON|bad"),
+        (lambda s: at(s, *MIXER, "placed").__setitem__("b", -5), r"packer.mixer.placed has bad"),
+        (lambda s: at(s, *MIXER, "placed").pop("b"), r"packer.mixer.placed must name"),
         (lambda s: s.__setitem__("step", -1), "step must be >= 0"),
         (lambda s: s["feed"].__setitem__("finished", "yes"), "feed.finished must be bool"),
-        (lambda s: s.pop("mixer"), "mixer is missing"),
-        (lambda s: s["streams"].pop("b"), "streams"),
+        (lambda s: s["packer"].pop("mixer"), "packer.mixer is missing"),
+        (lambda s: s["packer"]["streams"].pop("b"), "streams"),
+        (lambda s: s["packer"].pop("rows"), "packing 'concat', this config packs 'bfd'"),
     ],
 )
 def test_a_malformed_state_is_refused_naming_the_field_even_when_resealed(run, edit, message):
@@ -97,7 +118,7 @@ def test_a_malformed_state_is_refused_naming_the_field_even_when_resealed(run, e
     with contextlib.suppress(ValueError):  # NaN is not JSON: refused either way
         seal(bad)  # a buggy writer: the digest fits, the content does not
     with pytest.raises(StateError, match=message):
-        check_state(bad, cfg.config_hash(), names(cfg), False)
+        check_state(bad, cfg.config_hash(), names(cfg), False, cfg.packing.mode)
 
 
 @pytest.mark.parametrize("bad", [None, [], "state", 3])
@@ -105,15 +126,6 @@ def test_a_state_that_is_not_an_object_is_refused(run, bad):
     cfg, _, _ = run
     with pytest.raises(StateError, match="must be a JSON object"):
         check_state(bad, cfg.config_hash(), names(cfg), False)
-
-
-def test_a_version_1_state_without_digest_still_loads_checked_field_by_field(run):
-    cfg, state, after = run
-    legacy = {k: v for k, v in copy.deepcopy(state).items() if k != "digest"} | {"version": 1}
-    resumes_exactly(cfg, legacy, after)
-    legacy["streams"]["a"]["next"] = [0, 1]
-    with pytest.raises(StateError, match="8 entries"):
-        check_state(legacy, cfg.config_hash(), names(cfg), False)
 
 
 def leaves(obj, path=()):
@@ -150,7 +162,7 @@ def test_every_mutation_is_refused_or_resumes_exactly(run, data):
     node[path[-1]] = data.draw(VALUES)
     try:
         check_state(bad, cfg.config_hash(), names(cfg), False)
-        feed = Feed(cfg, local=True, state=bad)
+        feed = Feed(cfg, executor=iter_blocks_local, state=bad)
     except (StateError, ValueError):
         return  # refused, with a message
     try:

@@ -6,7 +6,8 @@ import sys
 import numpy as np
 
 from pipeline.config import parse_config
-from pipeline.stats import describe_lengths, length_stats
+from pipeline.stats import length_stats
+from pipeline.summary import describe_lengths
 from tests.conftest import write_jsonl
 
 

@@ -13,6 +13,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from pipeline.config import TokenizerConfig, parse_config
+from pipeline.proofs import REQUIRED, bytes_decoder, prove_fast
 from pipeline.reading import Unit, tokenize_unit
 from pipeline.sources import plan_pieces
 from pipeline.tokenization import (
@@ -21,19 +22,15 @@ from pipeline.tokenization import (
     BACKEND_HF_FALLBACK,
     CL100K_TIKTOKEN_PATTERN,
     FAST_PROBE,
-    REQUIRED,
     FastBackendError,
     FastEncoder,
     LoadedTokenizer,
-    _bytes_decoder,
-    _cl100k_ranks_file,
     _fast_encoder_from_hf,
     _probe_fast,
-    default_tokenizer_file,
     load_tokenizer,
-    prove_fast,
     verify_sample,
 )
+from pipeline.tokenizer_files import cl100k_ranks_file, default_tokenizer_file
 from tests.conftest import stdlib_texts
 
 
@@ -41,7 +38,7 @@ def _tiktoken(pattern: str = CL100K_TIKTOKEN_PATTERN):
     import tiktoken
     from tiktoken.load import load_tiktoken_bpe
 
-    ranks = load_tiktoken_bpe(str(_cl100k_ranks_file()))
+    ranks = load_tiktoken_bpe(str(cl100k_ranks_file()))
     return tiktoken.Encoding("t", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
 
 
@@ -201,7 +198,7 @@ def test_special_ids_outside_the_vocabulary_are_refused(key):
         load_tokenizer(TokenizerConfig(**{key: 2_000_000_000}))
 
 
-# --- Load-time proofs (prove_fast): exactness of the fast backend's BPE, by construction ---
+# --- Load-time proofs (pipeline.proofs.prove_fast): exactness of the fast backend's BPE, by construction ---
 
 
 def test_fast_backend_is_proven_exact_for_the_default_tokenizer(tokenizer):
@@ -375,7 +372,7 @@ def test_proof_verdicts_are_cached_by_content(mini, tmp_path):
 
 
 def _bytes_to_chars() -> dict[int, str]:
-    return {b: ch for ch, b in _bytes_decoder().items()}
+    return {b: ch for ch, b in bytes_decoder().items()}
 
 
 @st.composite

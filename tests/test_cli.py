@@ -1,0 +1,132 @@
+"""The command line a new user meets: help texts, `check`, and runs that deliver nothing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import yaml
+
+from service.cli import build_parser, main
+from tests.conftest import stdlib_texts, write_jsonl
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    for name, sub in _subparsers(build_parser()).items():
+        text = sub.format_help()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = action.option_strings[0]
+            assert action.help, f"tokenmill {name} {flag} has no help text"
+            if not action.required:
+                assert f"(default: {action.default})" in " ".join(text.split()), (name, flag)
+
+
+def _config(tmp_path, streams: dict, **extra) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"seq_len": 64, "global_batch_size": 2, **extra,
+                                    "packing": {"mode": "concat"}, "streams": streams}))  # fmt: skip
+    return str(path)
+
+
+def _bad_jsonl(path, n: int):
+    path.write_text("".join(f'{{"txt": "no text field {i}"}}\n' for i in range(n)))
+    return path
+
+
+def test_check_lists_the_first_bad_records_and_counts_them_all(tmp_path, capsys):
+    _bad_jsonl(tmp_path / "bad.jsonl", 7)
+    write_jsonl(tmp_path / "good.jsonl", stdlib_texts(3))
+    cfg = _config(tmp_path, {"b": {"paths": ["bad.jsonl"]}, "g": {"paths": ["good.jsonl"]}})
+    assert main(["check", "--config", cfg, "--show", "3"]) == 1
+    out, err = capsys.readouterr()
+    assert "tokenizer ok:" in out
+    listed = [ln for ln in out.splitlines() if ln.startswith("BAD b:")]
+    assert len(listed) == 3 and "bad.jsonl:0" in listed[0]
+    assert "b: 7 bad record(s) (4 not listed)" in err
+    assert "g:" not in err
+
+
+def test_check_loads_the_tokenizer(tmp_path, capsys):
+    write_jsonl(tmp_path / "good.jsonl", stdlib_texts(2))
+    (tmp_path / "broken.json").write_text("{not json")
+    cfg = _config(tmp_path, {"g": {"paths": ["good.jsonl"]}}, tokenizer={"name": "broken.json"})
+    assert main(["check", "--config", cfg]) == 1
+    assert "BAD tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_exhausted", ["stop", "renormalize"])
+def test_an_all_rejected_stream_fails_the_export(tmp_path, capsys, on_exhausted):
+    """One stream is entirely bad records: whether the run stops at once (0 steps) or carries
+    on with the other stream, it must not exit 0."""
+    _bad_jsonl(tmp_path / "bad.jsonl", 5)
+    write_jsonl(tmp_path / "good.jsonl", stdlib_texts(20))
+    cfg = _config(
+        tmp_path, {"b": {"paths": ["bad.jsonl"]}, "g": {"paths": ["good.jsonl"]}},
+        mixing={"on_exhausted": on_exhausted},
+    )  # fmt: skip
+    out = tmp_path / "o"
+    assert main(["export", "--config", cfg, "--out", str(out), "--steps", "2", "--local"]) == 1
+    err = capsys.readouterr().err
+    assert f"stream 'b' delivered nothing: all 5 record(s) read were rejected (see {out}" in err, (
+        err
+    )
+    rejects = (out / "rejects.jsonl").read_text().splitlines()
+    assert len(rejects) == 5 and json.loads(rejects[0])["stream"] == "b"
+
+
+def test_a_clean_export_exits_0(tmp_path):
+    write_jsonl(tmp_path / "good.jsonl", stdlib_texts(20))
+    cfg = _config(tmp_path, {"g": {"paths": ["good.jsonl"]}})
+    assert (
+        main(["export", "--config", cfg, "--out", str(tmp_path / "o"), "--steps", "2", "--local"])
+        == 0
+    )
+
+
+def test_check_finds_token_ids_outside_the_vocabulary(tmp_path, capsys):
+    """`check` loads the tokenizer, so it rejects what the export would: an id it lacks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = [[1, 2, 3], [5, 200_000], [7]]
+    pq.write_table(
+        pa.table({"tokens": pa.array(ids, pa.list_(pa.int32()))}), tmp_path / "t.parquet"
+    )
+    cfg = _config(tmp_path, {"t": {"paths": ["t.parquet"], "tokens_field": "tokens"}})
+    assert main(["check", "--config", cfg]) == 1
+    out = capsys.readouterr().out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("BAD t:")]
+    assert "t.parquet:1" in line and "token id 200000 is outside the tokenizer's vocabulary" in line
+
+
+def test_bench_runs_the_checkouts_benchmarks_in_a_process_of_their_own(capfd):
+    """`tokenmill bench [e2e]` is `python -m bench [e2e]`; the product never imports bench/."""
+    import ast
+    from pathlib import Path
+
+    assert main(["bench", "e2e", "--help"]) == 0
+    assert "usage: tokenmill bench e2e" in capfd.readouterr().out
+    root = Path(__file__).resolve().parents[1]
+    for path in [*root.glob("pipeline/**/*.py"), *root.glob("service/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "bench" for n in names), path
+
+
+def test_bench_without_a_checkout_says_where_to_run_it(tmp_path, monkeypatch, capsys):
+    import service.cli
+
+    monkeypatch.setattr(service.cli, "__file__", str(tmp_path / "service" / "cli.py"))
+    assert main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "source checkout (bench/)" in err and "./dev bench" in err

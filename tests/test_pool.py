@@ -1,0 +1,41 @@
+"""The warm tokenizer pool (pipeline/pool.py): the same batches as Ray Data and in-process,
+the same actors reused by the next run, and gone once idle."""
+
+from __future__ import annotations
+
+import time
+
+from pipeline.feed import Feed
+from pipeline.pool import NAMESPACE, code_digest, pool_executor
+from pipeline.reading import iter_blocks_local
+from tests.conformance import batch_bytes
+from tests.test_export import config
+
+
+def _steps(feed: Feed) -> list[bytes]:
+    try:
+        return [batch_bytes(b) for b in feed]
+    finally:
+        feed.close()
+
+
+def _pool_names(ray) -> list[str]:
+    prefix = f"tokenmill-tokenize-{code_digest()}-"
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)]  # fmt: skip
+
+
+def test_a_warm_pool_makes_the_same_batches_and_outlives_one_run(ray_cluster, corpus):
+    ray = ray_cluster
+    cfg = config(corpus, "bfd")
+    want = _steps(Feed(cfg, iter_blocks_local))
+    assert _steps(Feed(cfg, pool_executor(2, idle_s=6))) == want
+    assert len(_pool_names(ray)) == 2
+    actor = ray.get_actor(sorted(_pool_names(ray))[0], namespace=NAMESPACE)
+    pid = ray.get(actor.ready.remote())
+    assert _steps(Feed(cfg, pool_executor(2, idle_s=6))) == want
+    assert ray.get(actor.ready.remote()) == pid, "the second run must find the same warm actor"
+    deadline = time.monotonic() + 60
+    while _pool_names(ray) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _pool_names(ray), "an idle pool actor must exit and free its CPU"
