@@ -52,13 +52,22 @@ class Welcome:
 
 @dataclass(frozen=True)
 class StepReply:
-    """The answer to `get(rank, world_size, step, wait_s, count)`. `ready`: `refs` holds one
-    ObjectRef to a list of the rank's Arrow slices of consecutive steps, from `step` on
-    (wrapped in a list, so Ray hands the caller the reference, not the value). `end`: the data has ended. `wait`:
-    not produced yet; `reason` says why (`producing`, `paused`, or the ranks it waits for)."""
+    """The answer to `get(rank, world_size, step, wait_s, count)`. `ready`: `steps` holds the
+    rank's slices of consecutive steps, from `step` on, in the reply itself: each an Arrow IPC
+    stream of one record batch in the compact layout (`pipeline.arrays.from_ipc`, then
+    `pipeline.exports.expand`). `end`: the
+    data has ended. `wait`: not produced yet; `reason` says why (`producing`, `paused`, or the
+    ranks it waits for).
+
+    Why in the reply and not as an ObjectRef (`ray.put` in the server, `ray.get` in the rank,
+    as before): a reply under Ray's direct-call limit (100 KB) travels inline with the call's
+    answer, and a larger one is stored by Ray as the call's return, owned by the rank. A put
+    cost the server a plasma write per call and the rank a second round trip, and the rank
+    borrowed an object the server owned. With 8 ranks that consume as fast as they can, that
+    put was the server's largest cost (bench/serve_ranks.py)."""
 
     status: str
-    refs: list[Any] = field(default_factory=list)
+    steps: list[Any] = field(default_factory=list)
     reason: str = ""
 
     @property

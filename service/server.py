@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 
+from pipeline.arrays import to_ipc
 from pipeline.config import Config
 from pipeline.feed import Feed, rank_slice
 from pipeline.states import StateError
@@ -83,12 +84,17 @@ class BatchServer:
     def _make_feed(self, state: dict | None, allow_config_change: bool = False) -> Feed:
         """A Feed at `state`; a state that does not fit raises here, before anything changes."""
         try:
-            return Feed(
+            feed = Feed(
                 self.cfg,
                 state=state,
                 allow_config_change=allow_config_change,
                 on_reject=self.telemetry.add_reject,
             )
+            # Steps in the compact layout (pipeline/exports.py): no derivable column is built
+            # here, and a rank's slice of 4 x 2048 tokens is ~35 KB instead of ~170 KB, under
+            # Ray's inline-reply limit. The rank's Feed expands it (trainer/feed.py).
+            feed.full_batches = False
+            return feed
         except StateError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
@@ -137,8 +143,6 @@ class BatchServer:
 
         Why several: with 8 ranks, a call and a `ray.put` per rank and step cost the actor
         ~41 ms of CPU per global step (bench/serve_ranks.py), on the cores that tokenize."""
-        import ray
-
         self._check_world(world_size)
         deadline = time.monotonic() + max(0.0, min(wait_s, 30.0))
         with self._cond:
@@ -160,10 +164,11 @@ class BatchServer:
                 if left <= 0:
                     return StepReply("wait", reason=self._why_waiting())
                 self._cond.wait(timeout=min(left, 1.0))
-        # Sliced and put outside the lock: under it, one rank's put held up every other rank.
+        # Sliced outside the lock: under it, one rank's copy held up every other rank.
         G = self.cfg.global_batch_size
-        parts = [rank_slice(b, rank, world_size, G) for b in batches]
-        return StepReply("ready", [ray.put(parts)])
+        return StepReply(
+            "ready", [to_ipc(rank_slice(b, rank, world_size, G, False)) for b in batches]
+        )
 
     def _check_world(self, world_size: int) -> None:
         G = self.cfg.global_batch_size

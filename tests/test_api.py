@@ -6,6 +6,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
+from pipeline.arrays import from_ipc
 from pipeline.config import parse_config
 from service.api import Backend, create_app
 from service.server import BatchServer, StepGone
@@ -40,13 +41,12 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def take(server, rank: int, world_size: int, step: int, timeout_s: float = 60.0):
-    """The ObjectRef of `rank`'s slices from `step` on (a list; long-polling), or None when the
-    data ended."""
+    """`rank`'s slices from `step` on (a list; long-polling), or None when the data ended."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         reply = server.get(rank, world_size, step, 1.0)
         if reply.ready:
-            return reply.refs[0]
+            return reply.steps
         if reply.status in ("end", "stopped"):
             return None
     raise TimeoutError(f"step {step} was not served within {timeout_s}s")
@@ -104,10 +104,8 @@ def test_put_mixture_takes_effect_at_the_stated_step(client, server):
     # the steps from `step` on carry only the code stream (rank 0 of 1 takes every step up to
     # it: a step is held, and the producer runs ahead, only as far as the ranks allow)
     for s in range(server.status()["first_step"], step + 1):
-        ref = take(server, 0, 1, s)
-    import ray
-
-    batch = ray.get(ref)[0]  # one step was asked for: a list of one slice
+        steps = take(server, 0, 1, s)
+    batch = from_ipc(steps[0])  # one step was asked for: a list of one slice
     assert set(s for row in batch.column("stream").to_pylist() for s in row) == {"code"}
 
 

@@ -13,8 +13,10 @@ waits on other ranks or on a pause, a rank waits as long as the service is alive
 `FeedError` when the service is gone or stopped (within seconds), failed, or does not produce
 the step within `timeout_s` although nothing holds it back.
 
-A batch arrives as an Arrow record batch in Ray's shared-memory object store; the ids are
-read in place and copied once, into int64 torch tensors.
+A batch arrives as an Arrow record batch in the compact layout (pipeline/exports.py: no
+column that `input_ids` and `seq_lens` determine), inside the answer to the rank's call; the
+rank derives `labels`, `position_ids` and `segment_ids` and copies each column once, into
+int64 torch tensors.
 """
 
 from __future__ import annotations
@@ -121,16 +123,17 @@ class Feed:
         return self
 
     def __next__(self) -> dict:
+        from pipeline.arrays import from_ipc
+        from pipeline.exports import expand
+
         if not self._ahead:
             self._ahead = self._fetch()
-        batch = self._ahead.pop(0)
+        batch = from_ipc(self._ahead.pop(0))
         self.step += 1
-        return to_torch(batch)
+        return to_torch(expand(batch))  # the service sends the compact layout
 
     def _fetch(self) -> list:
         """This rank's next steps: at least one, up to LOOKAHEAD if they are produced."""
-        import ray
-
         producing_since, told = None, time.time()
         while True:
             reply = self._call("get", self.rank, self.world_size, self.step, POLL_S,
@@ -157,10 +160,7 @@ class Feed:
                 told = now
                 print(f"tokenmill: rank {self.rank} waits for step {self.step}: {reply.reason}",
                       file=sys.stderr, flush=True)  # fmt: skip
-        try:
-            return list(ray.get(reply.refs[0], timeout=self.timeout_s))
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-            raise FeedError(f"cannot fetch step {self.step}: {type(e).__name__}") from None
+        return list(reply.steps)
 
     def report_wait(self, seconds: float) -> None:
         fn = self.server.report_wait.options(concurrency_group=CONTROL_GROUP)
