@@ -18,6 +18,7 @@ from pipeline.config import parse_config
 from pipeline.exports import read_step
 from pipeline.reading import iter_blocks_local
 from service.export import run_export
+from service.protocol import TENSOR_COLUMNS
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
 from trainer.feed import Feed
@@ -232,3 +233,36 @@ def test_a_rank_away_past_the_timeout_is_reported_lost_and_told_why(served, tmp_
     late = Feed.connect(service=name, rank=1, world_size=2)
     with pytest.raises(FeedError, match=r"rank_timeout_s=3"):
         next(late)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_served_batches_equal_the_full_export_in_every_column(served, tmp_path, chat):
+    """The service sends the compact layout and the rank derives `position_ids`, `segment_ids`
+    and, unless a segment masks tokens, `labels`. Pretraining alone (labels derived), and with
+    a chat stream mixed in (masked prompts: steps carry `labels`): every tensor column of every
+    served step equals the full-layout export's."""
+    write_jsonl(tmp_path / "a.jsonl", stdlib_texts(40, max_bytes=3000))
+    chats = [{"messages": [{"role": "user", "content": f"Q{i}? " * (i % 7 + 1)},
+                           {"role": "assistant", "content": f"A{i}. " * (i % 5 + 2)}]}
+             for i in range(60)]  # fmt: skip
+    write_jsonl(tmp_path / "c.jsonl", chats)
+    streams = {"a": {"paths": [str(tmp_path / "a.jsonl")], "weight": 0.6}}
+    if chat:
+        streams["c"] = {"kind": "chat", "paths": [str(tmp_path / "c.jsonl")], "weight": 0.4}
+    cfg = parse_config({"seed": 3, "seq_len": 64, "global_batch_size": 4, "shuffle": {"window": 4},
+                        "streams": streams})  # fmt: skip
+    steps, name = 8, f"cols{int(chat)}{os.getpid()}"
+    out = tmp_path / "full"
+    run_export(cfg, out, steps=steps, world_size=2, executor=iter_blocks_local, layout="full")
+    served(cfg, name, prefetch=2)
+    feeds = [Feed.connect(service=name, rank=r, world_size=2, timeout_s=60) for r in range(2)]
+    for s in range(steps):
+        for r, feed in enumerate(feeds):
+            got = next(feed)
+            want = read_step(out / f"step-{s:08d}-rank-{r}.parquet")
+            assert got["global_step"] == s
+            assert got["seq_lens"] == want.column("seq_lens").to_pylist()
+            for col in TENSOR_COLUMNS:
+                np.testing.assert_array_equal(
+                    got[col].numpy(), np.array(want.column(col).to_pylist()), err_msg=f"{col} {s}"
+                )
