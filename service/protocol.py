@@ -52,12 +52,13 @@ class Welcome:
 
 @dataclass(frozen=True)
 class StepReply:
-    """The answer to `get(rank, world_size, step, wait_s, count)`. `ready`: `steps` holds the
-    rank's slices of consecutive steps, from `step` on, in the reply itself: each an Arrow IPC
-    stream of one record batch in the compact layout (`pipeline.arrays.from_ipc`, then
-    `pipeline.exports.expand`). `end`: the
-    data has ended. `wait`: not produced yet; `reason` says why (`producing`, `paused`, or the
-    ranks it waits for).
+    """The answer to `get(rank, world_size, step, wait_s, count)`.
+
+    `ready`: `steps` holds the rank's slices of consecutive steps, from `step` on, in the reply
+    itself: each an Arrow IPC stream of one record batch in the compact layout
+    (`pipeline.arrays.from_ipc`, then `pipeline.exports.expand`). `end`: the data has ended.
+    `wait`: not produced yet; `reason` says why (`producing`, `paused`, or the ranks it waits
+    for).
 
     Why in the reply and not as an ObjectRef (`ray.put` in the server, `ray.get` in the rank,
     as before): a reply under Ray's direct-call limit (100 KB) travels inline with the call's

@@ -166,9 +166,8 @@ class BatchServer:
                 self._cond.wait(timeout=min(left, 1.0))
         # Sliced outside the lock: under it, one rank's copy held up every other rank.
         G = self.cfg.global_batch_size
-        return StepReply(
-            "ready", [to_ipc(rank_slice(b, rank, world_size, G, False)) for b in batches]
-        )
+        parts = [rank_slice(b, rank, world_size, G, own_buffers=False) for b in batches]
+        return StepReply("ready", [to_ipc(part) for part in parts])  # only its rows
 
     def _check_world(self, world_size: int) -> None:
         G = self.cfg.global_batch_size
