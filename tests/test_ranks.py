@@ -109,6 +109,10 @@ def test_late_out_of_order_ranks_with_accumulation_equal_the_export(served, tmp_
     name = f"late{os.getpid()}"
     actor = served(cfg, name, prefetch=2)
     wait_produced(actor, 2)  # the producer fills its window before anyone connects
+    # A rank's first batch imports torch (`to_torch`): 2.4 s here idle, and past rank 0's 6 s
+    # head start under load when no earlier test had imported it (run with fewer files).
+    import torch  # noqa: F401
+
     got = {0: [], 1: []}
     # Rank 1 connects first and pulls a burst of micro-steps beyond the prefetch window
     # (gradient accumulation); rank 0 arrives 6 s later. Neither may get StepGone.
