@@ -112,8 +112,9 @@ def pull(service: str, rank: int, world: int, steps: int, address: str | None = 
             break
         tokens = sum(sum(lens) for lens in batch["seq_lens"])
         out.append([batch["global_step"], done, done - t, tokens, _cpu_s()])
+    calls = feed.calls
     feed.close()
-    return {"rank": rank, "steps": out}
+    return {"rank": rank, "steps": out, "calls": calls}
 
 
 def _rank_process(argv: list[str]) -> int:
@@ -321,6 +322,7 @@ def delivered(results: list[dict], steps: int) -> dict:
         "done": [max(x[0] for x in by_step[s]) for s in complete],
         "tokens": [sum(x[1] for x in by_step[s]) for s in complete],
         "cpu": [sum(x[2] for x in by_step[s]) for s in complete],
+        "calls_per_rank": sum(res.get("calls", 0) for res in results) / len(results),
         "latency_ms": {
             "n": len(lat),
             "p50": 1e3 * _percentile(lat, 50),
@@ -355,7 +357,8 @@ def _table(r: dict) -> str:
                     + (f"   ({ok} the goal >= {GOAL})" if key == "steady" else ""))  # fmt: skip
     rows += [
         f"  {'next(feed) latency':<34}p50 {lat['p50']:.1f} ms   p99 {lat['p99']:.1f} ms   "
-        f"max {lat['max']:.0f} ms   (step 0: {lat['step0_max']:.0f} ms)",
+        f"max {lat['max']:.0f} ms   (step 0: {lat['step0_max']:.0f} ms)   "
+        f"{r['steps_per_call']:.2f} steps per call",
         f"  {'GPUs kept fed (steady)':<34}{gpus}",
         f"  {'CPU ms per step (steady)':<34}export driver {cpu['export']['driver_ms_per_step']:.1f}"
         f" | server actor {'?' if actor is None else f'{actor:.1f}'}"
@@ -512,6 +515,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         "goal": GOAL,
         "gpus_fed": {g: rate / g for g in GPU_RATES},
         "latency_ms": got["latency_ms"],
+        "steps_per_call": steps / max(1.0, got["calls_per_rank"]),
         "export_summary": {  # its own figures; their definitions are service/export.py's
             "tokens_per_s": exported.export.tokens_per_s,
             "steady_tokens_per_s": exported.export.steady_tokens_per_s,

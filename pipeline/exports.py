@@ -57,26 +57,40 @@ def expand(batch: pa.RecordBatch) -> pa.RecordBatch:
     a step read back equals the batch that was served, field names included.
     """
     L = batch.column("input_ids").type.list_size
-    if (batch.schema.metadata or {}).get(LAYOUT_KEY) != b"compact":
+    if not is_compact(batch):
         return batch.cast(batch_schema(L).with_metadata(batch.schema.metadata))
-    lens_col = batch.column("seq_lens")
-    positions, segments, starts = _positions(lens_col, batch.num_rows, L)
-    if "labels" in batch.schema.names:
-        labels = batch.column("labels")
-    else:
-        ids = view(batch.column("input_ids").flatten())
-        labels = _fixed(_derived_labels(ids, segments, starts), L)
+    cols = {name: _fixed(a, L) for name, a in tensor_columns(batch).items() if name != "input_ids"}
     meta = {k: v for k, v in (batch.schema.metadata or {}).items() if k != LAYOUT_KEY}
-    cols = {
-        "labels": labels,
-        "position_ids": _fixed(positions, L),
-        "segment_ids": _fixed(segments, L),
-    }
     schema = batch_schema(L).with_metadata(meta)
     return pa.RecordBatch.from_arrays(
         [cols[name] if name in cols else batch.column(name) for name in schema.names],
         names=schema.names,
     ).cast(schema)
+
+
+def is_compact(batch: pa.RecordBatch) -> bool:
+    return (batch.schema.metadata or {}).get(LAYOUT_KEY) == b"compact"
+
+
+def tensor_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+    """`input_ids`, `labels`, `position_ids`, `segment_ids` of a batch of either layout, each
+    a flat numpy array of rows x L, without building Arrow arrays for the derived ones: what
+    a trainer rank turns into tensors (trainer/feed.py)."""
+    L = batch.column("input_ids").type.list_size
+    n = batch.num_rows
+
+    def flat(name: str) -> np.ndarray:
+        col = batch.column(name)
+        return view(col.values)[col.offset * L : (col.offset + n) * L]
+
+    ids = flat("input_ids")
+    if not is_compact(batch):
+        return {name: flat(name) for name in ("input_ids", "labels", "position_ids", "segment_ids")}
+    positions, segments, starts = _positions(batch.column("seq_lens"), n, L)
+    labels = (
+        flat("labels") if "labels" in batch.schema.names else _derived_labels(ids, segments, starts)
+    )
+    return {"input_ids": ids, "labels": labels, "position_ids": positions, "segment_ids": segments}
 
 
 def _with_labels(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -113,25 +127,33 @@ def expand_table(table: pa.Table) -> pa.RecordBatch:
 
 
 def _positions(lens_col: pa.ListArray, n_rows: int, L: int):
-    """(position_ids, segment_ids, first-token flags) as flat int32/bool arrays of n_rows * L."""
+    """(position_ids, segment_ids, first-token flags) as flat int32/bool arrays of n_rows * L.
+
+    Every row is its documents, then its padding: one run per document and one per row's
+    padding (possibly empty), laid end to end over all rows. A position is the distance to
+    its run's start; a segment is the document's number in its row (1, 2, ...), 0 in padding.
+    """
     lens = view(lens_col.flatten()).astype(np.int64)
     counts = np.diff(view(lens_col.offsets)).astype(np.int64)
-    positions = np.zeros(n_rows * L, dtype=np.int32)
-    segments = np.zeros(n_rows * L, dtype=np.int32)
+    ends = np.cumsum(counts)  # where each row's documents end in `lens`
+    pads = L - np.bincount(
+        np.repeat(np.arange(n_rows), counts), weights=lens, minlength=n_rows
+    ).astype(np.int64)
+    runs = np.insert(lens, ends, pads)  # row r's padding after its documents
+    number = (
+        np.arange(len(runs), dtype=np.int64)
+        - np.repeat(ends - counts + np.arange(n_rows), counts + 1)
+        + 1
+    )
+    number[ends + np.arange(n_rows)] = 0  # the padding runs
+    run_start = np.cumsum(runs) - runs
+    positions = (np.arange(n_rows * L, dtype=np.int64) - np.repeat(run_start, runs)).astype(
+        np.int32
+    )
+    segments = np.repeat(number, runs).astype(np.int32)
+    positions[segments == 0] = 0
     starts = np.zeros(n_rows * L, dtype=bool)
-    total = int(lens.sum())
-    if total:
-        row = np.repeat(np.arange(n_rows, dtype=np.int64), counts)
-        run = np.concatenate([[0], np.cumsum(lens)[:-1]])
-        row_first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        in_row = run - np.repeat(run[row_first[counts > 0]], counts[counts > 0])
-        seg_start = row * L + in_row
-        within = np.arange(total, dtype=np.int64) - np.repeat(run, lens)
-        dest = np.repeat(seg_start, lens) + within
-        positions[dest] = within
-        number = np.arange(len(lens), dtype=np.int64) - np.repeat(row_first, counts) + 1
-        segments[dest] = np.repeat(number, lens)
-        starts[seg_start[lens > 0]] = True
+    starts[run_start[(number > 0) & (runs > 0)]] = True
     return positions, segments, starts
 
 

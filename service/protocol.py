@@ -34,6 +34,8 @@ CONSUMER_GROUP = "consumers"
 CONTROL_GROUP = "control"
 CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16}
 POLL_S = 2.0
+# How long a rank that had to wait for a step may wait for more steps after it (server.get).
+LINGER_S = 0.25
 
 # Server states, as `status()["state"]` and `/v1/status` report them.
 STARTING, RUNNING, PAUSED, FINISHED, FAILED, STOPPING = (

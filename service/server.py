@@ -7,11 +7,11 @@ Three Ray-free parts do the work, each unit-tested on its own:
 - `telemetry.Telemetry`: throughput history, data wait per rank, the rejects buffer.
 
 This class joins them under one condition variable and adds what needs Ray: rank r of W asks
-for step s and gets an ObjectRef to its Arrow slice (rows [r*G/W, (r+1)*G/W) of step s), put
-into the object store on first request and shared by zero-copy reads. Requests are long polls
-of at most `POLL_S` seconds (protocol.StepReply `wait`), so a blocked rank holds a thread of
-the `consumers` group only briefly, the server notices a rank that stopped asking, and the API
-(group `control`) always has threads of its own.
+for step s (and up to `count` steps after it) and gets its rows [r*G/W, (r+1)*G/W) of each, as
+compact Arrow IPC inside the call's answer (protocol.StepReply). Requests are long polls of at
+most `POLL_S` seconds (StepReply `wait`), so a blocked rank holds a thread of the `consumers`
+group only briefly, the server notices a rank that stopped asking, and the API (group
+`control`) always has threads of its own.
 
 The actor is not detached: it lives as long as the process that started it (`tokenmill serve`,
 or the Ray job), so a killed `serve` never leaves a service behind that blocks the next one.
@@ -32,6 +32,7 @@ from pipeline.states import StateError
 from pipeline.summary import summarize
 from service.producer import Producer
 from service.protocol import (
+    LINGER_S,
     POLL_S,
     STOPPING,
     StepGone,
@@ -138,19 +139,34 @@ class BatchServer:
     def get(
         self, rank: int, world_size: int, step: int, wait_s: float = POLL_S, count: int = 1
     ) -> StepReply:
-        """Rank `rank`'s slices of global steps `step`, `step + 1`, ... (up to `count`, those
-        already produced), waiting at most `wait_s` for the first. One object holds them all.
+        """Rank `rank`'s slices of global steps `step`, `step + 1`, ... (up to `count`), waiting
+        at most `wait_s` for the first.
 
-        Why several: with 8 ranks, a call and a `ray.put` per rank and step cost the actor
-        ~41 ms of CPU per global step (bench/serve_ranks.py), on the cores that tokenize."""
+        A step produced when the call comes is answered at once, with the steps after it that
+        are produced too: a rank that waits for nothing is never made to wait. A rank that had
+        to wait for `step` is a rank the producer cannot keep up with; it then lingers (at
+        most LINGER_S) until `count` steps are there, like a Kafka fetch's `fetch.min.bytes`
+        with `fetch.max.wait.ms`. Its wait over those steps is the same (it waits for the
+        producer either way), and the calls are fewer: on 2 cores, 8 hungry ranks took ~1.3
+        steps per call and spent 25-30 ms of CPU per global step with the actor, on the cores
+        that tokenize; with lingering, ~4 steps and about half (bench/serve_ranks.py)."""
         self._check_world(world_size)
+        want = max(1, min(count, self.prefetch))
         deadline = time.monotonic() + max(0.0, min(wait_s, 30.0))
+        linger_until: float | None = None  # set once the rank has waited for its first step
+        waited = False
         with self._cond:
             while True:
+                if waited and step in self.window.steps and not self._deliver_now(step, want):
+                    linger_until = linger_until or time.monotonic() + LINGER_S
+                    left = linger_until - time.monotonic()
+                    if left > 0:
+                        self._cond.wait(timeout=left)
+                        continue
                 batch = self.window.take(rank, world_size, step)
                 if batch is not None:
                     batches = [batch]
-                    while len(batches) < max(1, count) and step + len(batches) in self.window.steps:
+                    while len(batches) < want and step + len(batches) in self.window.steps:
                         batches.append(self.window.take(rank, world_size, step + len(batches)))
                     self._cond.notify_all()  # the producer may have room now
                     break
@@ -163,11 +179,17 @@ class BatchServer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return StepReply("wait", reason=self._why_waiting())
+                waited = True
                 self._cond.wait(timeout=min(left, 1.0))
         # Sliced outside the lock: under it, one rank's copy held up every other rank.
         G = self.cfg.global_batch_size
         parts = [rank_slice(b, rank, world_size, G, own_buffers=False) for b in batches]
         return StepReply("ready", [to_ipc(part) for part in parts])  # only its rows
+
+    def _deliver_now(self, step: int, want: int) -> bool:
+        """May a rank that waited for `step` (produced now) have it without lingering?"""
+        ready = all(s in self.window.steps for s in range(step, step + want))
+        return ready or self.producer.paused or self.producer.ended or self._stop_requested
 
     def _check_world(self, world_size: int) -> None:
         G = self.cfg.global_batch_size

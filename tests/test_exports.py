@@ -252,3 +252,38 @@ _write(compact(feed.next_step(), False), Path("{tmp_path / "s.parquet"}"), "parq
 assert "pandas" not in sys.modules, "pandas was imported on the way to the first step"
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
+
+
+def _reference_positions(rows: list[list[int]], L: int):
+    """Positions, segment numbers and first-token flags, one token at a time."""
+    pos, seg, first = [], [], []
+    for docs in rows:
+        for k, n in enumerate(docs, start=1):
+            pos += range(n)
+            seg += [k] * n
+            first += [True] + [False] * (n - 1) if n else []
+        pad = L - sum(docs)
+        pos, seg, first = pos + [0] * pad, seg + [0] * pad, first + [False] * pad
+    return pos, seg, first
+
+
+def test_derived_positions_match_a_token_by_token_reference():
+    """Rows with no documents, full rows, empty documents, sliced list arrays."""
+    import random
+
+    from pipeline.exports import _positions
+
+    rng = random.Random(0)
+    for _ in range(500):
+        L = rng.choice([1, 2, 7, 64])
+        rows = []
+        for _ in range(rng.randint(1, 6)):
+            docs, left = [], L
+            while left and rng.random() < 0.8:
+                docs.append(rng.randint(0 if rng.random() < 0.1 else 1, left))
+                left -= docs[-1]
+            rows.append(docs)
+        lead = rng.randint(0, 2)  # a slice, as a rank's rows are
+        col = pa.array([[1]] * lead + rows, type=pa.list_(pa.int32())).slice(lead)
+        got = [a.tolist() for a in _positions(col, len(rows), L)]
+        assert got == [list(x) for x in _reference_positions(rows, L)], (rows, L)

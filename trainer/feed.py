@@ -34,7 +34,6 @@ from service.protocol import (
     NAMESPACE,
     POLL_S,
     SERVICE_NAME,
-    TENSOR_COLUMNS,
 )
 
 _CONNECT_LOCK = threading.Lock()
@@ -45,26 +44,28 @@ class FeedError(RuntimeError):
 
 
 def to_torch(batch) -> dict:
+    """A batch of either layout as int64 tensors [rows, L], its seq_lens and global step. The
+    compact layout's derived columns are computed here, straight into numpy."""
     import torch
+
+    from pipeline.exports import tensor_columns
 
     n = batch.num_rows
     meta = batch.schema.metadata or {}
-    out = {}
-    for name in TENSOR_COLUMNS:
-        col = batch.column(name)
-        L = col.type.list_size
-        flat = col.values.to_numpy(zero_copy_only=True)[col.offset * L : (col.offset + n) * L]
-        out[name] = torch.from_numpy(flat.reshape(n, L).astype(np.int64))  # the one copy
+    out = {
+        name: torch.from_numpy(flat.reshape(n, -1).astype(np.int64))  # the one copy
+        for name, flat in tensor_columns(batch).items()
+    }
     out["seq_lens"] = batch.column("seq_lens").to_pylist()
     out["global_step"] = int(meta.get(META_GLOBAL_STEP, b"-1"))
     return out
 
 
 class Feed:
-    # Steps fetched per call when they are already produced: one actor call, one put and one
-    # get for up to 4 steps. With 8 ranks on 2 cores, per-step calls cost the service ~41 ms
-    # of CPU and the ranks ~27 ms per global step (bench/serve_ranks.py).
-    LOOKAHEAD = 4
+    # Steps fetched per call, at most (the service's prefetch window caps it, 8 by default).
+    # A rank's cost is mostly per call (Ray's RPC on both sides), so a hungry rank takes up
+    # to this many in one answer (see BatchServer.get: it lingers for them), ~35 KB each.
+    LOOKAHEAD = 8
 
     def __init__(self, server, rank: int, world_size: int, step: int, timeout_s: float):
         self.server, self.rank, self.world_size = server, rank, world_size
@@ -72,6 +73,7 @@ class Feed:
         self.timeout_s = timeout_s
         self.lookahead = self.LOOKAHEAD
         self._ahead: list = []  # fetched, not yet consumed: steps self.step, self.step + 1...
+        self.calls = 0  # `get` calls made (a rank's cost is mostly per call, not per step)
 
     @classmethod
     def connect(cls, service: str = SERVICE_NAME, rank: int = 0, world_size: int = 1,
@@ -124,18 +126,18 @@ class Feed:
 
     def __next__(self) -> dict:
         from pipeline.arrays import from_ipc
-        from pipeline.exports import expand
 
         if not self._ahead:
             self._ahead = self._fetch()
         batch = from_ipc(self._ahead.pop(0))
         self.step += 1
-        return to_torch(expand(batch))  # the service sends the compact layout
+        return to_torch(batch)  # the service sends the compact layout
 
     def _fetch(self) -> list:
         """This rank's next steps: at least one, up to LOOKAHEAD if they are produced."""
         producing_since, told = None, time.time()
         while True:
+            self.calls += 1
             reply = self._call("get", self.rank, self.world_size, self.step, POLL_S,
                                self.lookahead, group=CONSUMER_GROUP,
                                timeout_s=self.timeout_s + POLL_S)  # fmt: skip
