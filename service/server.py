@@ -75,6 +75,7 @@ class BatchServer:
         self._owner: dict = {}
         self._seek_lock = threading.Lock()  # ranks resuming together restart the feed once
         self._seeked: dict | None = None
+        self._hungry: dict[int, bool] = {}  # rank -> its last answer waited for the producer
         self._start_feed(state, allow_config_change)
 
     # -- production -------------------------------------------------------------------------
@@ -142,19 +143,22 @@ class BatchServer:
         """Rank `rank`'s slices of global steps `step`, `step + 1`, ... (up to `count`), waiting
         at most `wait_s` for the first.
 
-        A step produced when the call comes is answered at once, with the steps after it that
-        are produced too: a rank that waits for nothing is never made to wait. A rank that had
-        to wait for `step` is a rank the producer cannot keep up with; it then lingers (at
-        most LINGER_S) until `count` steps are there, like a Kafka fetch's `fetch.min.bytes`
-        with `fetch.max.wait.ms`. Its wait over those steps is the same (it waits for the
-        producer either way), and the calls are fewer: on 2 cores, 8 hungry ranks took ~1.3
-        steps per call and spent 25-30 ms of CPU per global step with the actor, on the cores
-        that tokenize; with lingering, ~4 steps and about half (bench/serve_ranks.py)."""
+        A rank that had to wait for the producer (in this call, or in its last) is a rank the
+        producer cannot keep up with: it then lingers, at most LINGER_S, until `count` steps
+        are there, like a Kafka fetch's `fetch.min.bytes` with `fetch.max.wait.ms`. Its wait
+        over those steps is the same (it waits for the producer either way), and its calls are
+        fewer. A rank that finds `count` steps ready, as one behind a slower GPU does, is
+        answered at once and lingers no more.
+
+        Why: a rank's cost, and the actor's, is mostly per call (Ray's RPC on both sides). On
+        2 cores, 8 ranks that consume as fast as they can took 1 to 3 steps per call and spent,
+        with the actor, ~26 ms of CPU per global step, on the cores that tokenize; lingering,
+        ~7 steps per call and ~14 ms (bench/serve_ranks.py)."""
         self._check_world(world_size)
         want = max(1, min(count, self.prefetch))
         deadline = time.monotonic() + max(0.0, min(wait_s, 30.0))
-        linger_until: float | None = None  # set once the rank has waited for its first step
-        waited = False
+        linger_until: float | None = None  # set when a hungry rank's first step is there
+        waited = self._hungry.get(rank, False)  # its last call waited for the producer
         with self._cond:
             while True:
                 if waited and step in self.window.steps and not self._deliver_now(step, want):
@@ -168,6 +172,7 @@ class BatchServer:
                     batches = [batch]
                     while len(batches) < want and step + len(batches) in self.window.steps:
                         batches.append(self.window.take(rank, world_size, step + len(batches)))
+                    self._hungry[rank] = waited and linger_until is not None
                     self._cond.notify_all()  # the producer may have room now
                     break
                 if self.producer.error:
@@ -187,7 +192,7 @@ class BatchServer:
         return StepReply("ready", [to_ipc(part) for part in parts])  # only its rows
 
     def _deliver_now(self, step: int, want: int) -> bool:
-        """May a rank that waited for `step` (produced now) have it without lingering?"""
+        """May a hungry rank have `step` (produced) without lingering for more?"""
         ready = all(s in self.window.steps for s in range(step, step + want))
         return ready or self.producer.paused or self.producer.ended or self._stop_requested
 
