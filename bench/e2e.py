@@ -11,7 +11,8 @@ round-robin order so a shared machine's drift falls on all alike:
 - **tokenmill warm**: `tokenmill export --address` to a Ray cluster started once for the
   bench (`ray start --head`, its own temp dir and ports; stopped by its process group).
 - **tokenmill pool**: the same with `--pool N`: a warm pool of N tokenizer actors that the
-  previous export left (pipeline/pool.py), instead of Ray Data tasks in fresh workers.
+  previous export left (pipeline/pool.py), instead of Ray Data tasks in fresh workers. This
+  is what `--address` does by default; the warm method above passes `--pool 0`.
 
 Same corpus, L = 2048, concat packing, EOS after each document, N = the machine's CPUs (Ray's
 workers get N CPUs too). The figure is wall time; tokenmill's own `summary.json` adds its time
@@ -114,7 +115,7 @@ def run_script(files: list[Path], out: Path, cpus: int) -> dict:
 def run_tokenmill(config: Path, out: Path, address: str | None, pool: int = 0) -> dict:
     cmd = [str(BIN / "tokenmill"), "export", "--config", str(config), "--out", str(out)]
     cmd += ["--address", address] if address else []
-    cmd += ["--pool", str(pool)] if pool else []
+    cmd += ["--pool", str(pool)] if address else []  # 0: Ray Data (the default is the pool)
     env = dict(os.environ, TOKENMILL_RAY_ADDRESS="", RAY_ADDRESS="")
     wall, _ = _timed(cmd, env)
     s = json.loads((out / "summary.json").read_text())

@@ -7,9 +7,11 @@ and on 2 cores the first block from the workers came 7 s after Ray was connected
 hand-written script a user compares us with forks its workers with the tokenizer already in
 memory.
 
-With `--pool N`, units go instead to N actors named `tokenmill-tokenize-<code>-<i>` in the
-`tokenmill` namespace, created by the first export that asks and kept for `idle_s` seconds
-after their last unit (then they exit and give their CPUs back). A later export finds them
+When `tokenmill export` joins a running cluster (`--address`, RAY_ADDRESS; `--pool 0` opts
+out), or with `--pool N`, units go instead to actors (by default as many as the cluster has
+CPUs) named `tokenmill-tokenize-<code>-<i>` in the `tokenmill` namespace, created by the first
+export that asks and kept for `idle_s` seconds after their last unit (then they exit and give
+their memory back). Not with a private local Ray: it ends with the export. A later export finds them
 warm: imports done, tokenizer loaded. `<code>` is a digest of the pipeline's source files,
 so an export never uses workers that run other code than its own.
 
@@ -94,11 +96,16 @@ def _actor(i: int, idle_s: float):
 
 
 def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig,
-                 size: int, idle_s: float, ready: Future | None) -> Iterator[pa.Table]:  # fmt: skip
+                 size: int | None, idle_s: float, ready: Future | None) -> Iterator[pa.Table]:  # fmt: skip
     if ready is not None:
         ready.result()  # Ray connects in the background (service/cluster.py)
     import ray
 
+    if not units:
+        return
+    if size is None:  # as many as the cluster has CPUs, as Ray Data would use
+        size = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    size = max(1, min(size, len(units)))  # an actor without a unit would only cost a process
     actors = [_actor(i, idle_s) for i in range(size)]
     stream_json = stream.model_dump(mode="json", context=REVEAL_SECRETS)
     tok_json = tok_cfg.model_dump(mode="json")
@@ -122,12 +129,19 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
             yield ray.get(submit(k))
 
 
-def pool_executor(size: int, idle_s: float = 300.0, ready: Future | None = None) -> Executor:
-    """An executor over a warm pool of `size` tokenizer actors (see module); with `ready`,
-    its executions wait for Ray to be connected."""
+class PoolExecutor:
+    """An executor over a warm pool of `size` tokenizer actors (None: the cluster's CPUs; see
+    module); with `ready`, its executions wait for Ray to be connected."""
 
-    def run(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig):
-        blocks = functools.partial(_pool_blocks, units, stream, tok_cfg, size, idle_s, ready)
+    def __init__(self, size: int | None, idle_s: float = 300.0, ready: Future | None = None):
+        self.size, self.idle_s, self.ready = size, idle_s, ready
+
+    def __call__(self, units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig):
+        blocks = functools.partial(
+            _pool_blocks, units, stream, tok_cfg, self.size, self.idle_s, self.ready
+        )
         return Prefetcher(blocks, 2)
 
-    return run
+
+def pool_executor(size: int | None, idle_s: float = 300.0, ready: Future | None = None) -> Executor:
+    return PoolExecutor(size, idle_s, ready)

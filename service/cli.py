@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from pipeline.config import ConfigError, load_config
 
 if TYPE_CHECKING:
+    from pipeline.reading import Executor
     from pipeline.summary import ExportReport, RunSummary
 
 ADDRESS_HELP = (
@@ -81,8 +82,23 @@ def _print_summary(s: RunSummary, x: ExportReport) -> None:
         print(f"note: {line}")
 
 
+def _executor(args, ready) -> Executor | None:
+    """Where an export tokenizes: in this process (`--local`), on a warm pool of actors
+    (`--pool N`, and by default when joining a running cluster, sized to its CPUs: a pool
+    there outlives this export, so the next one finds it warm), or on Ray Data tasks (None)."""
+    from pipeline.reading import iter_blocks_local
+    from service.cluster import requested_address
+
+    if args.local:
+        return iter_blocks_local
+    if args.pool or (args.pool is None and requested_address(args.address)):
+        from pipeline.pool import pool_executor
+
+        return pool_executor(args.pool or None, args.pool_idle_s, ready)
+    return None
+
+
 def cmd_export(args) -> int:
-    from pipeline.reading import Executor, iter_blocks_local
     from service.export import run_export
 
     ready = None
@@ -92,13 +108,7 @@ def cmd_export(args) -> int:
         ready = connect_in_background(args.address)
     cfg = load_config(args.config)
     resume = _read_state(args.resume)
-    executor: Executor | None = None  # Ray Data
-    if args.local:
-        executor = iter_blocks_local
-    elif args.pool:
-        from pipeline.pool import pool_executor
-
-        executor = pool_executor(args.pool, args.pool_idle_s, ready)
+    executor = _executor(args, ready)
     summary = run_export(
         cfg, args.out, steps=args.steps, world_size=args.world_size, fmt=args.format,
         executor=executor, progress=_progress(), state_every=args.state_every or 0,
@@ -352,11 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--pool",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="tokenize on a warm pool of N named actors that stay up between exports, instead "
-        "of Ray Data tasks in fresh workers (0: Ray Data); for repeated exports against a "
-        "running cluster (--address): the first creates the pool, the next find it warm",
+        "of Ray Data tasks in fresh workers (0: Ray Data). Default: a pool of the cluster's "
+        "CPUs when joining a running cluster (--address, RAY_ADDRESS): the first export "
+        "creates it, the next find it warm; none with a private local Ray",
     )
     e.add_argument(
         "--pool-idle-s",

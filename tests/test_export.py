@@ -125,6 +125,9 @@ def test_world_size_slices_one_global_sequence(ray_cluster, corpus, tmp_path):
 
 
 def test_cli_export_against_a_running_cluster(ray_cluster, corpus, tmp_path):
+    """Joining a running cluster, an export tokenizes on a warm pool by default (idle 5 s
+    here, gone before tests/test_pool.py counts its own), or with `--pool 0` on Ray Data
+    tasks: the same files either way."""
     import yaml
 
     address = ray_cluster.get_runtime_context().gcs_address
@@ -133,17 +136,48 @@ def test_cli_export_against_a_running_cluster(ray_cluster, corpus, tmp_path):
         "seq_len": 128, "global_batch_size": 2, "packing": {"mode": "concat"},
         "streams": {"code": {"paths": [str(corpus / "a.jsonl")]}},
     }))  # fmt: skip
-    r = subprocess.run(
-        [sys.executable, "-m", "service", "export", "--config", str(cfg_path), "--out", str(tmp_path / "o"),
-         "--steps", "3", "--address", address],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "packing" in r.stdout
-    assert len(list((tmp_path / "o").glob("step-*-rank-0.parquet"))) == 3
+
+    def export(out: str, *flags: str) -> None:
+        r = subprocess.run(
+            [sys.executable, "-m", "service", "export", "--config", str(cfg_path), "--out", str(tmp_path / out),
+             "--steps", "3", "--address", address, "--pool-idle-s", "5", *flags],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "packing" in r.stdout
+
+    export("data", "--pool", "0")
+    export("o")
+    steps = sorted(p.name for p in (tmp_path / "o").glob("step-*-rank-0.parquet"))
+    assert len(steps) == 3
+    for name in steps:
+        assert (tmp_path / "o" / name).read_bytes() == (tmp_path / "data" / name).read_bytes()
     s = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert s["steps_written"] == 3 and s["streams"]["code"]["tokens"] == 3 * 2 * 128
     assert np.isclose(s["packing_efficiency"], 1.0)
+
+
+def test_an_export_joining_a_cluster_tokenizes_on_a_warm_pool_by_default(monkeypatch):
+    from pipeline.pool import PoolExecutor
+    from pipeline.reading import iter_blocks_local
+    from service.cli import _executor, build_parser
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("TOKENMILL_RAY_ADDRESS", raising=False)
+
+    def chosen(*flags: str):
+        return _executor(
+            build_parser().parse_args(["export", "--config", "c", "--out", "o", *flags]), None
+        )
+
+    assert chosen() is None, "a private local Ray ends with the export: Ray Data"
+    on_cluster = chosen("--address", "10.0.0.1:6379")
+    assert isinstance(on_cluster, PoolExecutor) and on_cluster.size is None  # the cluster's CPUs
+    assert chosen("--address", "10.0.0.1:6379", "--pool", "0") is None
+    assert chosen("--pool", "3").size == 3
+    assert chosen("--local") is iter_blocks_local
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # as under `ray job submit`
+    assert isinstance(chosen(), PoolExecutor)
 
 
 def test_resume_from_exported_states_on_ray_any_world_size(ray_cluster, corpus, tmp_path):
