@@ -60,7 +60,7 @@ class FirstReads:
     head start (pipeline/headstart.py), how many tokens each side made in the first reads.
     An export turns these into its `phases`; they are not part of the JSON."""
 
-    block_at: float | None  # the first block from either side: the steady window opens here
+    block_at: float | None  # the first block from either side
     head_at: float | None  # the head start's first block, made in this process
     executor_at: float | None  # the executor's first block
     tokens_here: int

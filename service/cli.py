@@ -48,7 +48,7 @@ def _print_summary(s: RunSummary, x: ExportReport) -> None:
     )
     print(
         f"tokens/s         {x.tokens_per_s:,.0f} end to end; "
-        f"{x.steady_tokens_per_s:,.0f} steady (first block in to last step)"
+        f"{x.steady_tokens_per_s:,.0f} steady (feed start to last step)"
     )
     print(f"packing          {100 * s.packing_efficiency:.2f}% real tokens")
     ph = x.phases
