@@ -3,7 +3,9 @@
     tokenmill bench e2e [--corpus FILE.jsonl ...] [--repeats 3] [--json OUT]
 
 Four ways to the same tokens, each a fresh process timed from its start to its exit, in
-round-robin order so a shared machine's drift falls on all alike:
+round-robin order so a shared machine's drift falls on all alike, each started once the
+machine is idle (`wait_until_idle`: the leftovers of the method before, such as a cold
+export's Ray agents, which linger ~75 s, slowed the next method by up to 25%):
 
 - **script**: `bench/script_peer.py`: `multiprocessing.Pool(N)` + tiktoken cl100k + numpy
   concat + one Parquet file of rows (no shuffle, labels, resume or error handling);
@@ -96,6 +98,25 @@ class RayHead:
         shutil.rmtree(self.temp, ignore_errors=True)
 
 
+def _busy_jiffies() -> tuple[int, int]:
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
+
+
+def wait_until_idle(busy_below: float = 0.1, window_s: float = 1.0, max_s: float = 90.0) -> float:
+    """Wait until the machine was less than `busy_below` busy over `window_s` (at most `max_s`);
+    the seconds waited. A method's leftovers (a cold export's Ray agents linger ~75 s, a
+    finished job's workers exit) would otherwise slow whichever method runs next."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max_s:
+        b0, a0 = _busy_jiffies()
+        time.sleep(window_s)
+        b1, a1 = _busy_jiffies()
+        if (b1 - b0) / max(1, a1 - a0) < busy_below:
+            break
+    return time.monotonic() - t0
+
+
 def _timed(cmd: list[str], env: dict | None = None) -> tuple[float, str]:
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -165,10 +186,12 @@ def run(corpus: list[str] | None, repeats: int, cpus: int, target_bytes: int = T
         run_tokenmill(config, work / "p-first", head.address, cpus)  # creates the pool: unmeasured
         for i in range(repeats):
             for name, fn in methods.items():
-                runs[name].append(fn(i))
+                waited = wait_until_idle()
+                runs[name].append(fn(i) | {"waited_for_idle_s": waited})
                 r = runs[name][-1]
                 print(f"  {i + 1}/{repeats} {name:<15} {r['wall_s']:6.2f}s  "
-                      f"{r['tokens']:,} tokens", flush=True)  # fmt: skip
+                      f"{r['tokens']:,} tokens  (after {waited:.1f}s for an idle machine)",
+                      flush=True)  # fmt: skip
     finally:
         if head is not None:
             head.close()
