@@ -36,7 +36,7 @@ def compact(batch: pa.RecordBatch, keep_labels: bool) -> pa.RecordBatch:
     so every file of the export has the same columns) or when this step's labels are not the
     derived ones: correctness never depends on the writer's guess.
     """
-    if (batch.schema.metadata or {}).get(LAYOUT_KEY) == b"compact":  # built compact
+    if is_compact(batch):  # built compact
         return _with_labels(batch) if keep_labels else batch
     drop = set(DERIVED)
     if not keep_labels and _derivable_labels_equal(batch):
@@ -98,9 +98,7 @@ def _with_labels(batch: pa.RecordBatch) -> pa.RecordBatch:
     if "labels" in batch.schema.names:
         return batch
     L = batch.column("input_ids").type.list_size
-    _, segments, starts = _positions(batch.column("seq_lens"), batch.num_rows, L)
-    ids = view(batch.column("input_ids").flatten())
-    labels = _fixed(_derived_labels(ids, segments, starts), L)
+    labels = _fixed(tensor_columns(batch)["labels"], L)
     field = batch_schema(L).field("labels")
     return batch.add_column(1, field, labels)
 
