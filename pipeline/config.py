@@ -63,11 +63,12 @@ class TokenizerConfig(_Frozen):
     eos_id: int | None = Field(default=None, ge=0)
     pad_id: int | None = Field(default=None, ge=0)
     chat_template: str | None = None
-    # `auto` encodes with tiktoken where it is proven to give this tokenizer's ids (a probe at
-    # load, then `verify_fraction` of every batch re-encoded by HF and compared; a mismatch
-    # sends the batch to HF). `hf` never uses it; `tiktoken` makes a mismatch an error.
+    # `auto` encodes with a fast engine (fastokens, else tiktoken) where it is proven to give
+    # this tokenizer's ids (a probe at load, then `verify_fraction` of every batch re-encoded
+    # by HF and compared; a mismatch sends the batch to HF). `hf` never uses one; `tiktoken`
+    # and `fastokens` name the engine and make a mismatch an error.
     # Neither changes the batches, so neither is in the config hash.
-    backend: Literal["auto", "hf", "tiktoken"] = "auto"
+    backend: Literal["auto", "hf", "tiktoken", "fastokens"] = "auto"
     verify_fraction: float = Field(default=0.01, gt=0, le=1)
 
 

@@ -21,6 +21,7 @@ from pipeline.config import Config
 from pipeline.reading import Executor, Unit, group_units
 from pipeline.shuffle import file_order
 from pipeline.sources import WHOLE_FILE, Access, Piece, data_files, plan_pieces
+from pipeline.tokenization import BACKEND_NAMES
 
 
 class BadRecordError(ValueError):
@@ -79,7 +80,7 @@ class StreamCounters:
     epochs_started: int = 0
     capped: bool = False
     # tokens read per tokenizer backend (tokenization.BACKEND_NAMES); this run only, not state
-    backend_tokens: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    backend_tokens: list[int] = field(default_factory=lambda: [0] * len(BACKEND_NAMES))
     lengths: list[int] = field(default_factory=list, repr=False)  # sampled doc lengths
 
 

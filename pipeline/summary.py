@@ -193,8 +193,10 @@ def summarize(feed) -> RunSummary:
 
 
 def _guarantees(cfg) -> dict | None:
-    g = load_tokenizer(cfg.tokenizer).guarantees
-    return None if g is None else g.as_dict() | {"proven": g.proven}
+    tok = load_tokenizer(cfg.tokenizer)
+    g = tok.guarantees
+    engine = None if tok.fast is None else tok.fast.name  # the fast engine chosen at load
+    return None if g is None else g.as_dict() | {"proven": g.proven, "engine": engine}
 
 
 def _first_reads(streams) -> FirstReads:

@@ -58,12 +58,12 @@ def test_read_routes(client):
     assert st["state"] in ("running", "paused") and st["streams"] == ["web", "code"]
     m = client.get("/v1/metrics").json()
     assert set(m["streams"]) == {"web", "code"} and 0 < m["packing_efficiency"] <= 1
-    assert m["tokenizer_backend"]["tiktoken"] > 0  # which tokenizer ran is reported
+    assert m["tokenizer_backend"]["fastokens"] > 0  # which tokenizer ran is reported
     text = client.get("/metrics").text
     assert (
         "tokenmill_tokens_per_second" in text
         and 'tokenmill_stream_realized_share{stream="web"}' in text
-        and 'tokenmill_tokenizer_backend_tokens{backend="tiktoken"}' in text
+        and 'tokenmill_tokenizer_backend_tokens{backend="fastokens"}' in text
         and "tokenmill_rejects_total" in text
     )
     mix = client.get("/v1/mixture").json()

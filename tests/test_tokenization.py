@@ -18,12 +18,14 @@ from pipeline.reading import Unit, tokenize_unit
 from pipeline.sources import plan_pieces
 from pipeline.tokenization import (
     BACKEND_FAST,
+    BACKEND_FASTOKENS,
     BACKEND_HF,
     BACKEND_HF_FALLBACK,
     CL100K_TIKTOKEN_PATTERN,
     FAST_PROBE,
     FastBackendError,
     FastEncoder,
+    FastokensEncoder,
     LoadedTokenizer,
     _fast_encoder_from_hf,
     _probe_fast,
@@ -54,10 +56,11 @@ def test_default_hf_tokenizer_is_cl100k_exactly(tokenizer):
 
 def test_fast_backend_is_used_and_exact(tokenizer):
     assert tokenizer.fast is not None, "the default tokenizer should get the fast backend"
+    assert tokenizer.fast.name == "fastokens", "auto should pick the fastest engine installed"
     texts = stdlib_texts(20) + ["<|endoftext|> literal", "12345678"]
     flat, offsets, backend = tokenizer.encode_verified(texts)
     want_flat, want_offsets = tokenizer.encode(texts)
-    assert backend == BACKEND_FAST
+    assert backend == BACKEND_FASTOKENS
     assert flat.tolist() == want_flat.tolist() and offsets.tolist() == want_offsets.tolist()
 
 
@@ -80,19 +83,68 @@ def _with_fast(tok: LoadedTokenizer, fast, backend: str) -> LoadedTokenizer:
     return replace(tok, fast=fast, backend=backend)
 
 
-def test_inexact_fast_backend_falls_back_or_fails(tokenizer):
+WRONG_DIGITS = CL100K_TIKTOKEN_PATTERN.replace(r"\p{N}{1,3}+", r"\p{N}+")
+
+
+def _wrong_engine(engine: str) -> FastEncoder:
+    """A fast encoder of `engine` that splits digit runs differently from cl100k."""
+    if engine == "tiktoken":
+        return FastEncoder(_tiktoken(WRONG_DIGITS))
+    import fastokens
+
+    path = str(cl100k_ranks_file())
+    tok = fastokens.Tokenizer.from_tiktoken(path, pattern=WRONG_DIGITS, special_tokens={})
+    return FastokensEncoder(tok, lambda: {})
+
+
+@pytest.mark.parametrize("engine", ["tiktoken", "fastokens"])
+def test_inexact_fast_backend_falls_back_or_fails(tokenizer, engine):
     """A fast encoder that splits digits differently is caught by the sample, not trusted."""
-    wrong = FastEncoder(_tiktoken(CL100K_TIKTOKEN_PATTERN.replace(r"\p{N}{1,3}+", r"\p{N}+")))
+    wrong = _wrong_engine(engine)
     texts = [f"version {20261122 + i} of the file" for i in range(300)]
     auto = _with_fast(tokenizer, wrong, "auto")
     flat, offsets, backend = auto.encode_verified(texts)
     assert backend == BACKEND_HF_FALLBACK
     assert flat.tolist() == tokenizer.encode(texts)[0].tolist()
     # Without digits the wrong encoder happens to agree: then it may be used.
-    assert auto.encode_verified(["plain words only"])[2] == BACKEND_FAST
-    strict = _with_fast(tokenizer, wrong, "tiktoken")
-    with pytest.raises(FastBackendError, match="version 2026"):
+    assert auto.encode_verified(["plain words only"])[2] == wrong.code
+    strict = _with_fast(tokenizer, wrong, engine)
+    with pytest.raises(FastBackendError, match=f"backend {engine}: .*version 2026"):
         strict.encode_verified(texts)
+
+
+@pytest.mark.parametrize("engine", ["tiktoken", "fastokens"])
+def test_each_fast_engine_can_be_named_and_is_exact(engine):
+    """`backend: tiktoken` / `fastokens` load that engine; every text checked gives HF's ids."""
+    from dataclasses import replace
+
+    tok = load_tokenizer(TokenizerConfig(backend=engine))
+    assert tok.fast is not None and tok.fast.name == engine
+    texts = [*FAST_PROBE, *stdlib_texts(30), "0" * 5000, " \n" * 3000]
+    flat, offsets, backend = replace(tok, verify_fraction=1.0).encode_verified(texts)
+    assert backend == tok.fast.code
+    want_flat, want_offsets = tok.encode(texts)
+    assert flat.tolist() == want_flat.tolist() and offsets.tolist() == want_offsets.tolist()
+
+
+def test_auto_takes_the_next_engine_when_one_fails_its_probe(monkeypatch):
+    """Under auto, a fastokens engine whose split differs gives way to tiktoken; under
+    `backend: fastokens` the same engine is an error, naming the text."""
+    import pipeline.tokenization as tokenization
+
+    monkeypatch.setattr(tokenization, "_fastokens_engine", lambda form: _wrong_engine("fastokens"))
+    monkeypatch.setattr(tokenization, "_preload_fastokens", lambda cfg: None)
+    monkeypatch.setitem(
+        tokenization.ENGINES,
+        "auto",
+        (tokenization._fastokens_engine, tokenization._tiktoken_engine),
+    )
+    monkeypatch.setitem(tokenization.ENGINES, "fastokens", (tokenization._fastokens_engine,))
+    monkeypatch.setattr(tokenization, "_CACHE", {})
+    tok = load_tokenizer(TokenizerConfig())
+    assert tok.fast is not None and tok.fast.name == "tiktoken"
+    with pytest.raises(FastBackendError, match="backend fastokens: not exact .* differs on '0010"):
+        load_tokenizer(TokenizerConfig(backend="fastokens"))
 
 
 def test_backend_hf_never_uses_the_fast_encoder():
@@ -107,7 +159,7 @@ def test_tokenizer_json_gets_a_fast_form_and_a_bad_one_is_refused(tmp_path):
     good.write_text(default_tokenizer_file().read_text())
     tok = load_tokenizer(TokenizerConfig(name=str(good), eos_id=100257))
     assert tok.fast is not None
-    assert tok.encode_verified(["x = 1234\n"])[2] == BACKEND_FAST
+    assert tok.encode_verified(["x = 1234\n"])[2] == BACKEND_FASTOKENS
     # The possessive pattern means something else to Oniguruma than to tiktoken's engine.
     d = json.loads(default_tokenizer_file().read_text())
     d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = CL100K_TIKTOKEN_PATTERN
@@ -127,7 +179,7 @@ def test_blocks_report_the_backend_and_match_hf(tmp_path):
     fast = tokenize_unit(unit, cfg.streams["s"], load_tokenizer(cfg.tokenizer))
     hf_cfg = cfg.tokenizer.model_copy(update={"backend": "hf"})
     slow = tokenize_unit(unit, cfg.streams["s"], load_tokenizer(hf_cfg))
-    assert fast.column("backend").to_pylist() == [BACKEND_FAST] * len(texts)
+    assert fast.column("backend").to_pylist() == [BACKEND_FASTOKENS] * len(texts)
     assert slow.column("backend").to_pylist() == [BACKEND_HF] * len(texts)
     assert fast.column("tokens").equals(slow.column("tokens"))
     # The backend is not part of the run's identity: resume states stay valid across it.
@@ -158,7 +210,7 @@ def test_fast_backend_on_hostile_texts(tokenizer):
         "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 " * 1000,
     ]
     flat, offsets, backend = every.encode_verified(texts)
-    assert backend == BACKEND_FAST
+    assert backend == BACKEND_FASTOKENS
     assert flat.tolist() == tokenizer.encode(texts)[0].tolist()
 
 
@@ -186,7 +238,7 @@ def test_other_byte_level_forms_get_an_exact_fast_backend(tmp_path, variant):
 
     every = replace(every, verify_fraction=1.0)
     flat, _, backend = every.encode_verified(texts)
-    assert backend == BACKEND_FAST
+    assert backend == BACKEND_FASTOKENS
     assert flat.tolist() == tok.encode(texts)[0].tolist()
 
 
@@ -354,7 +406,9 @@ def test_what_the_proofs_accept_is_exact(mini, case):
     assert tok.guarantees.proven and tok.fast is not None, tok.guarantees.failed
     texts = ["pino pinot spinoza within the collections", " th this", *stdlib_texts(5)]
     flat, _, backend = replace(tok, verify_fraction=1.0).encode_verified(texts)
-    assert backend == BACKEND_FAST
+    # fastokens refuses to load a token its merges cannot build ('pino'): tiktoken serves it.
+    want = BACKEND_FAST if case == "unreachable_token_with_lookup" else BACKEND_FASTOKENS
+    assert backend == want
     assert flat.tolist() == tok.encode(texts)[0].tolist()
 
 

@@ -155,7 +155,7 @@ def test_describe_says_what_was_loaded(tmp_path):
     """The line `tokenmill check` prints: the resolved specials, so a guessed EOS is visible."""
     line = load_tokenizer(TokenizerConfig()).describe()
     assert line.startswith("tokenizer default: 100277 ids, bos none (add_bos false), eos 100257")
-    assert "'<|endoftext|>' (add_eos true)" in line and "backend tiktoken where exact" in line
+    assert "'<|endoftext|>' (add_eos true)" in line and "backend fastokens where exact" in line
     specials = ["<|begin_of_text|>", "<|end_of_text|>"]
     tok = _load(_write_tokenizer(tmp_path, specials, template="<|begin_of_text|> $A"))
     line = tok.describe()
