@@ -457,16 +457,13 @@ def _fast_backend(
         if bad is None:
             return fast, guarantees
         differs = differs or bad
-    if strict and differs is None:
-        raise FastBackendError(
-            f"tokenizer.backend {strict}: the {strict} package is not installed here, or "
-            f"cannot compile the split of {cfg.name!r}; use backend auto or hf"
-        )
     if strict:
-        raise FastBackendError(
-            f"tokenizer.backend {strict}: not exact for {cfg.name!r} (its pre-tokenizer "
-            f"differs on {differs[:60]!r}); use backend auto or hf"
+        why = (
+            f"the {strict} package is not installed here, or cannot load {cfg.name!r}"
+            if differs is None
+            else f"not exact for {cfg.name!r} (its pre-tokenizer differs on {differs[:60]!r})"
         )
+        raise FastBackendError(f"tokenizer.backend {strict}: {why}; use backend auto or hf")
     why = "failed probe" if differs is not None else "no engine installed"
     return None, replace(guarantees, pretokenizer=why)
 
