@@ -107,12 +107,12 @@ def test_full_layout_schema_is_the_batch_schema(tmp_path):
 @pytest.mark.parametrize("executor_delay", [0.0, 0.3])
 def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, executor_delay):
     """This process and the executor split the units by claims: every unit is tokenized
-    exactly once, and the blocks come out in unit order, equal to one executor's, whichever
-    side is faster."""
+    once (but for back units this process took over from a slow executor), and the blocks
+    come out in unit order, equal to one executor's, whichever side is faster."""
     import time
 
     from pipeline.feed import Feed
-    from pipeline.headstart import HeadStart
+    from pipeline.headstart import BACK_UNITS, HeadStart
     from pipeline.reading import iter_blocks_local
 
     cfg = parse_config(
@@ -141,10 +141,63 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
     got = list(head)
     head.close()
     assert len(units) >= 8
-    assert sorted(made["local"] + made["executor"]) == [u.index for u in units]  # once each
+    twice = set(made["local"]) & set(made["executor"])
+    assert sorted(set(made["local"]) | set(made["executor"])) == [u.index for u in units]
+    assert len(made["local"]) == len(set(made["local"]))  # no side makes a unit twice
+    assert twice <= {u.index for u in units[-BACK_UNITS:]}  # only back units are taken over
     assert made["local"][:1] == [0] and made["executor"]  # both took part
     assert [b.num_rows for b in got] == [b.num_rows for b in plain]
     assert all(a.equals(b) for a, b in zip(got, plain, strict=True))
+
+
+def test_a_head_start_takes_over_what_a_starting_executor_has_not_delivered(tmp_path):
+    """Ray is up but its workers deliver nothing (still starting, cold): once nothing is left
+    to claim, this process makes the executor's back units too, and the export ends without
+    waiting for them (a cold 130 MB export waited 5 s for two such units)."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from pipeline.feed import Feed
+    from pipeline.headstart import HeadStart
+    from pipeline.reading import iter_blocks_local
+
+    cfg = parse_config(
+        {
+            "seq_len": SEQ,
+            "read": {"first_block_bytes": 2048, "block_bytes": 4096},
+            "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}},
+        }
+    )
+    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
+    stream = cfg.streams["code"]
+    plain = list(iter_blocks_local(units, stream, cfg.tokenizer))
+    closed = threading.Event()
+
+    class Starting:  # an execution whose workers never come up before it is closed
+        def __init__(self, us, st, tok):
+            pass
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            closed.wait(60)
+            raise StopIteration
+
+        def close(self):
+            closed.set()
+
+    up: Future = Future()
+    up.set_result(None)
+    t0 = time.monotonic()
+    head = HeadStart(units, stream, cfg.tokenizer, Starting, up, iter_blocks_local)
+    got = list(head)
+    waited = time.monotonic() - t0
+    head.close()
+    assert waited < 30, f"the blocks waited {waited:.1f}s for the executor"
+    assert all(a.equals(b) for a, b in zip(got, plain, strict=True)) and len(got) == len(plain)
+    assert head.tokens["executor"] == 0 < head.tokens["here"]
 
 
 def test_a_head_start_that_made_everything_does_not_wait_for_ray(tmp_path):
