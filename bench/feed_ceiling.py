@@ -87,8 +87,13 @@ def main(argv=None) -> int:
         print(f"{r['mode']:<7} {what:<52} {r['tokens_per_s']:>12,.0f} tokens/s")
     tok = results[0]["tokenize_one_core_tokens_per_s"]
     ceiling = results[0]["tokens_per_s"]
+    from pipeline.config import TokenizerConfig
+    from pipeline.tokenization import load_tokenizer
+
+    fast = load_tokenizer(TokenizerConfig()).fast  # the engine `auto` chose here
+    engine = "hf" if fast is None else fast.name
     print(
-        f"one core tokenizing (tiktoken, read + verify + Arrow): {tok:,.0f} tokens/s -> one feed"
+        f"one core tokenizing ({engine}, read + verify + Arrow): {tok:,.0f} tokens/s -> one feed"
         f" packs for ~{ceiling / tok:.0f} such workers before it is the bottleneck"
     )
     if args.json:

@@ -7,7 +7,7 @@ tokenizer (tokenmill's default cl100k_base), rows of L = 2048 tokens, EOS after 
 
 (a) the limit: one process encoding the corpus, batched, on one thread, × the N CPUs Ray has;
 (b) `tokenmill export`: read + tokenize in Ray Data, pack in the feed actor, files written;
-    with the default `tokenizer.backend: auto` (tiktoken where verified exact), and again
+    with the default `tokenizer.backend: auto` (fastokens, else tiktoken, where verified exact), and again
     with `backend: hf` (the same HF tokenizer the peers use), so both effects show;
 (c) HF `datasets.map(num_proc=N, batched=True)` + TRL `pack_dataset(strategy="bfd_split")`;
 (d) a naive Ray Data pipeline: `read_json` → actor-pool `map_batches` (N actors) → concat;
