@@ -13,6 +13,12 @@ most of a ~100 MB export, with the feed idle. Here the feed's process tokenizes 
   runs of units from the front of what is left, two runs in flight so the workers never
   wait for the next execution to start;
 - blocks are handed out strictly in unit order, whoever made them;
+- once Ray is up, the executor starts only if the local thread, at its pace so far, would
+  not make everything left before the executor's first block could come (its `startup_s`:
+  Ray Data's fresh workers ~4 s here, a warm pool ~1 s); otherwise it waits and looks again.
+  (A cold export whose Ray came up 7 s in, with 2 of 8 s of local work left, took 15.5-16.5 s
+  instead of ~9.4 s: Ray Data's workers starting took the CPU from the feed, and delivered
+  nothing it still needed.);
 - when nothing is left to claim and the executor has still delivered nothing (a cold Ray's
   workers still starting), the local thread takes over the executor's back units one by one:
   whichever side makes such a unit first, its block is kept and the other is dropped.
@@ -47,6 +53,11 @@ MIN_UNITS_FOR_EXECUTOR = 4  # fewer units than this: the local thread does them 
 FIRST_RUN_UNITS = 4  # then runs from the front double up to MAX_RUN_UNITS
 MAX_RUN_UNITS = 64
 MAX_AHEAD = 8  # blocks made ahead of the consumer before either side stops claiming
+# Seconds from an execution's start to its first block, when the executor does not say
+# (`startup_s`): Ray Data's tasks in a job's fresh workers, 3-4 s on a running cluster here
+# and ~7 s on a cold embedded one; the lower end, so the executor is rather started early.
+EXECUTOR_STARTUP_S = 4.0
+RECHECK_S = 0.5  # how often a waiting executor looks at the local thread's pace again
 
 
 class HeadStart:
@@ -65,6 +76,9 @@ class HeadStart:
         self._stop = False
         self._warm = False  # the executor has delivered a block
         self._taken: set[int] = set()  # the executor's units this process took over
+        self._local_bytes = 0  # input bytes of the units the local thread made
+        self._local_since: float | None = None  # when it claimed its first
+        self.startup_s = float(getattr(executor, "startup_s", EXECUTOR_STARTUP_S))
         self._runs: list = []  # executions, for close()
         self.first_local_at: float | None = None
         self.first_executor_at: float | None = None
@@ -125,9 +139,20 @@ class HeadStart:
             if not claimed:
                 return
             i = claimed[0]
+            self._local_since = self._local_since or time.monotonic()
             blocks = list(self.local([self.units[i]], self.stream, self.tok_cfg))
             self.first_local_at = self.first_local_at or time.monotonic()
+            self._local_bytes += _unit_bytes(self.units[i])
             self._put(i, blocks, "here")
+
+    def _local_finishes_first(self) -> bool:
+        """Whether the local thread, at its pace so far, makes every unclaimed unit before an
+        execution started now could deliver its first block (see module). Under the lock."""
+        if not self._local_bytes or self._local_since is None:
+            return False  # no pace yet: start the executor
+        rate = self._local_bytes / max(time.monotonic() - self._local_since, 1e-6)
+        left = sum(_unit_bytes(self.units[i]) for i in range(self._front, self._back))
+        return left / rate < self.startup_s
 
     def _run_executor(self) -> None:
         if self.ready is not None:
@@ -137,7 +162,9 @@ class HeadStart:
                     return
             self.ready.result()  # Ray failed to come up: the run fails with its error
         with self._cond:
-            if self._back - self._front < MIN_UNITS_FOR_EXECUTOR:
+            while not self._stop and self._local_finishes_first():
+                self._cond.wait(RECHECK_S)
+            if self._stop or self._back - self._front < MIN_UNITS_FOR_EXECUTOR:
                 return
             self._back -= BACK_UNITS
             runs = self._start(range(self._back, self._back + BACK_UNITS))
@@ -236,6 +263,10 @@ class HeadStart:
                     close()
         for t in self._threads:
             t.join(timeout=60)
+
+
+def _unit_bytes(unit) -> int:
+    return sum(max(p.nbytes, 1) for p in unit.pieces)
 
 
 def _tokens(table) -> int:

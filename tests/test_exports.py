@@ -134,6 +134,7 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
                 time.sleep(delay)  # a slow start, as Ray's workers have
                 yield block
 
+        run.startup_s = 0.0  # type: ignore[attr-defined]  # always worth starting
         return run
 
     head = HeadStart(units, stream, cfg.tokenizer, side("executor", executor_delay), None,
@@ -175,6 +176,8 @@ def test_a_head_start_takes_over_what_a_starting_executor_has_not_delivered(tmp_
     closed = threading.Event()
 
     class Starting:  # an execution whose workers never come up before it is closed
+        startup_s = 0.0  # but says it delivers at once, so it is started
+
         def __init__(self, us, st, tok):
             pass
 
@@ -198,6 +201,53 @@ def test_a_head_start_takes_over_what_a_starting_executor_has_not_delivered(tmp_
     assert waited < 30, f"the blocks waited {waited:.1f}s for the executor"
     assert all(a.equals(b) for a, b in zip(got, plain, strict=True)) and len(got) == len(plain)
     assert head.tokens["executor"] == 0 < head.tokens["here"]
+
+
+@pytest.mark.parametrize("startup_s", [0.0, 3600.0])
+def test_an_executor_starts_only_if_it_would_deliver_before_the_local_thread_is_done(
+    tmp_path, startup_s
+):
+    """Ray up, the local thread already under way: an executor whose first block would come
+    after the local thread has made everything left (`startup_s`) is never started; one that
+    delivers at once is. The blocks are the same either way."""
+    import threading
+    from concurrent.futures import Future
+
+    from pipeline.feed import Feed
+    from pipeline.headstart import HeadStart
+    from pipeline.reading import iter_blocks_local
+
+    cfg = parse_config(
+        {
+            "seq_len": SEQ,
+            "read": {"first_block_bytes": 2048, "block_bytes": 4096},
+            "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}},
+        }
+    )
+    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
+    stream = cfg.streams["code"]
+    plain = list(iter_blocks_local(units, stream, cfg.tokenizer))
+    started: list[int] = []
+
+    def executor(us, st, tok):
+        started.extend(u.index for u in us)
+        return iter_blocks_local(us, st, tok)
+
+    executor.startup_s = startup_s  # type: ignore[attr-defined]
+    up: Future = Future()
+    local_done_one = threading.Event()
+
+    def local(us, st, tok):  # Ray comes up once the local thread has a pace
+        yield from iter_blocks_local(us, st, tok)
+        local_done_one.set()
+
+    head = HeadStart(units, stream, cfg.tokenizer, executor, up, local)
+    local_done_one.wait(30)
+    up.set_result(None)
+    got = list(head)
+    head.close()
+    assert all(a.equals(b) for a, b in zip(got, plain, strict=True)) and len(got) == len(plain)
+    assert bool(started) == (startup_s == 0.0), started
 
 
 def test_a_head_start_that_made_everything_does_not_wait_for_ray(tmp_path):
