@@ -5,8 +5,8 @@ Where the tokenizer.json comes from (the offline cl100k default, a file, the Hub
 
 The HF tokenizer is the reference: its ids are the ids. An optional *fast backend* encodes
 instead where it is exact. It is rank-order BPE over the tokenizer's own ranks behind its own
-split regex, run by one of two engines: `fastokens` (Rust BPE, PCRE2's JIT for the split: ~8x
-tiktoken on one core here, ~24x HF) where its wheel is installed, else tiktoken (~3x HF).
+split regex, run by one of two engines: `fastokens` (Rust BPE, PCRE2's JIT for the split: ~5x
+tiktoken on one core here, ~18x HF) where its wheel is installed, else tiktoken (~3.5x HF).
 Exactness is proven where it can be: at load, `prove_fast` checks over the whole vocabulary and
 merge list that rank-order BPE over these ranks and the HF BPE model give the same ids on every
 pre-token (the verdict is cached on disk by the tokenizer.json's sha256); both engines
@@ -122,8 +122,8 @@ class FastokensEncoder(FastEncoder):
     samples check its split.
 
     Why: tokenizing was ~80% of a worker's CPU with tiktoken. On the man pages one core
-    encodes 21.6M tokens/s with it against 2.7M with tiktoken, straight into flat buffers (no
-    per-token Python ints), with the same ids on all 36.4M tokens. It is loaded beside the HF
+    (pinned with taskset) encodes 16.0M tokens/s with it against 3.1M with tiktoken, straight
+    into flat buffers (no per-token Python ints), with the same ids on all 36.4M tokens. It is loaded beside the HF
     tokenizer (its load releases the GIL) and costs ~0.4 s and ~60 MB per process.
     `ranks`: a callable for the rank table, read only when a proof is not cached.
     """
@@ -531,6 +531,10 @@ def _first_or(default: int, *ids: int | None) -> int:
 
 def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # One thread per encode: Ray runs a tokenizing worker per CPU. (fastokens otherwise
+    # spreads a large batch over every core: 28M tokens/s of wall on 2 cores here, but the
+    # same 15-16M per CPU-second.)
+    os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
     from tokenizers import Tokenizer
 
     preloaded = _preload_fastokens(cfg)
