@@ -531,10 +531,6 @@ def _first_or(default: int, *ids: int | None) -> int:
 
 def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # One thread per encode: Ray runs a tokenizing worker per CPU. (fastokens otherwise
-    # spreads a large batch over every core: 28M tokens/s of wall on 2 cores here, but the
-    # same 15-16M per CPU-second.)
-    os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
     from tokenizers import Tokenizer
 
     preloaded = _preload_fastokens(cfg)

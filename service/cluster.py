@@ -30,11 +30,7 @@ from service.protocol import NAMESPACE
 
 # Every Ray worker runs one tokenizer thread: Ray already runs one worker per core, and a
 # rayon pool per worker would oversubscribe the cores.
-WORKER_ENV = {
-    "RAYON_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "FASTOKENS_BPE_THREADS": "1",
-}
+WORKER_ENV = {"RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 PROBE_TIMEOUT_S = 5.0
 _TOKEN_HELP = (
     "put the cluster's token in ~/.ray/auth_token, or set RAY_AUTH_TOKEN (the token) or "
