@@ -104,16 +104,9 @@ def test_full_layout_schema_is_the_batch_schema(tmp_path):
     assert isinstance(t, pa.Table)
 
 
-@pytest.mark.parametrize("executor_delay", [0.0, 0.3])
-def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, executor_delay):
-    """This process and the executor split the units by claims: every unit is tokenized
-    once (but for back units this process took over from a slow executor), and the blocks
-    come out in unit order, equal to one executor's, whichever side is faster."""
-    import time
-
+def _small_units(tmp_path):
+    """(config, units, stream, blocks made in-process) of the corpus cut into small units."""
     from pipeline.feed import Feed
-    from pipeline.headstart import BACK_UNITS, HeadStart
-    from pipeline.reading import iter_blocks_local
 
     cfg = parse_config(
         {
@@ -124,7 +117,20 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
     )
     units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
     stream = cfg.streams["code"]
-    plain = list(iter_blocks_local(units, stream, cfg.tokenizer))
+    return cfg, units, stream, list(iter_blocks_local(units, stream, cfg.tokenizer))
+
+
+@pytest.mark.parametrize("executor_delay", [0.0, 0.3])
+def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, executor_delay):
+    """This process and the executor split the units by claims: every unit is tokenized
+    once (but for back units this process took over from a slow executor), and the blocks
+    come out in unit order, equal to one executor's, whichever side is faster."""
+    import time
+
+    from pipeline.headstart import BACK_UNITS, HeadStart
+    from pipeline.reading import iter_blocks_local
+
+    cfg, units, stream, plain = _small_units(tmp_path)
     made: dict[str, list[int]] = {"local": [], "executor": []}
 
     def side(name, delay):
@@ -159,20 +165,10 @@ def test_a_head_start_takes_over_what_a_starting_executor_has_not_delivered(tmp_
     import time
     from concurrent.futures import Future
 
-    from pipeline.feed import Feed
     from pipeline.headstart import HeadStart
     from pipeline.reading import iter_blocks_local
 
-    cfg = parse_config(
-        {
-            "seq_len": SEQ,
-            "read": {"first_block_bytes": 2048, "block_bytes": 4096},
-            "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}},
-        }
-    )
-    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
-    stream = cfg.streams["code"]
-    plain = list(iter_blocks_local(units, stream, cfg.tokenizer))
+    cfg, units, stream, plain = _small_units(tmp_path)
     closed = threading.Event()
 
     class Starting:  # an execution whose workers never come up before it is closed
@@ -213,20 +209,10 @@ def test_an_executor_starts_only_if_it_would_deliver_before_the_local_thread_is_
     import threading
     from concurrent.futures import Future
 
-    from pipeline.feed import Feed
     from pipeline.headstart import HeadStart
     from pipeline.reading import iter_blocks_local
 
-    cfg = parse_config(
-        {
-            "seq_len": SEQ,
-            "read": {"first_block_bytes": 2048, "block_bytes": 4096},
-            "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}},
-        }
-    )
-    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
-    stream = cfg.streams["code"]
-    plain = list(iter_blocks_local(units, stream, cfg.tokenizer))
+    cfg, units, stream, plain = _small_units(tmp_path)
     started: list[int] = []
 
     def executor(us, st, tok):
