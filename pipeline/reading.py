@@ -333,11 +333,7 @@ def tokenize_unit_json(unit: str, stream: dict, tokenizer: dict) -> pa.Table:
     # One tokenizer thread per Ray worker: Ray already runs one worker per core. (Set here,
     # before the first encode builds rayon's pool, not through a job runtime_env: see
     # service/cluster.py `connect`.)
-    # fastokens, left alone, spreads a large batch over every core (28M tokens/s of wall on 2
-    # cores here, the same 15-16M per CPU-second). The export's own process keeps that: its
-    # head start may be the only tokenizer running.
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
-    os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(TokenizerConfig.model_validate(tokenizer))
     return tokenize_unit(Unit.from_json(unit), StreamConfig.model_validate(stream), tok)

@@ -53,18 +53,23 @@ def serve_process(config, address: str, name: str, cwd, env: dict | None = None)
     """`python -m service serve` in a subprocess (in `cwd`, where its rejects file goes),
     up once /healthz answers; SIGTERMed at the end. Yields {address, port, name, proc}."""
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--config", str(config), "--address", address,
-         "--port", str(port), "--name", name],
-        env=env or os.environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd,
-    )  # fmt: skip
+    # Its output goes to a file, never to a pipe nobody reads: a full pipe (64 KB) blocks the
+    # service on its next print, and its HTTP API with it.
+    log = Path(cwd) / f"serve-{name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--config", str(config), "--address",
+             address, "--port", str(port), "--name", name],
+            env=env or os.environ, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=cwd,
+        )  # fmt: skip
     try:
         try:
             wait_http(f"http://127.0.0.1:{port}/healthz")
         except TimeoutError:
             proc.kill()
-            raise AssertionError(proc.communicate()[0][-3000:]) from None
-        yield {"address": address, "port": port, "name": name, "proc": proc}
+            proc.wait()
+            raise AssertionError(log.read_text()[-3000:]) from None
+        yield {"address": address, "port": port, "name": name, "proc": proc, "log": log}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
