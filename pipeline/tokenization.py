@@ -80,7 +80,6 @@ FAST_PROBE = (
 # `pretokenized`: ids read as they are from an export (format: export), no tokenizer ran.
 BACKEND_HF, BACKEND_FAST, BACKEND_HF_FALLBACK, BACKEND_NONE, BACKEND_FASTOKENS = 0, 1, 2, 3, 4
 BACKEND_NAMES = ("hf", "tiktoken", "hf_fallback", "pretokenized", "fastokens")
-FAST_BACKENDS = (BACKEND_FAST, BACKEND_FASTOKENS)
 
 
 class FastEncoder:
@@ -123,8 +122,9 @@ class FastokensEncoder(FastEncoder):
 
     Why: tokenizing was ~80% of a worker's CPU with tiktoken. On the man pages one core
     (pinned with taskset) encodes 16.0M tokens/s with it against 3.1M with tiktoken, straight
-    into flat buffers (no per-token Python ints), with the same ids on all 36.4M tokens. It is loaded beside the HF
-    tokenizer (its load releases the GIL) and costs ~0.4 s and ~60 MB per process.
+    into flat buffers (no per-token Python ints), with the same ids on all 36.4M tokens. It
+    is loaded beside the HF tokenizer (its load releases the GIL) and costs ~0.4 s and ~60 MB
+    per process.
     `ranks`: a callable for the rank table, read only when a proof is not cached.
     """
 
@@ -267,17 +267,23 @@ def _tiktoken_engine(form: BpeForm) -> FastEncoder | None:
     return FastEncoder(enc, form.normalize)
 
 
-def _fastokens_engine(form: BpeForm) -> FastokensEncoder | None:
-    """fastokens over `form`, or None (no wheel for this platform; a pattern PCRE2 refuses)."""
+def _fastokens_engine(
+    form: BpeForm, entering: threading.Event | None = None
+) -> FastokensEncoder | None:
+    """fastokens over `form`, or None (no wheel for this platform; a pattern PCRE2 refuses).
+    `entering` is set just before the native load (see `_preload_fastokens`), and on return."""
     try:
         import fastokens
-    except ImportError:
+
+        path = str(form.ranks_file())
+        if entering is not None:
+            entering.set()
+        tok = fastokens.Tokenizer.from_tiktoken(path, pattern=form.pattern, special_tokens={})
+    except Exception:  # ImportError included
         return None
-    try:
-        path = form.ranks_file()
-        tok = fastokens.Tokenizer.from_tiktoken(str(path), pattern=form.pattern, special_tokens={})
-    except Exception:
-        return None
+    finally:
+        if entering is not None:
+            entering.set()
     return FastokensEncoder(tok, form.ranks, form.normalize)
 
 
@@ -477,25 +483,13 @@ def _preload_fastokens(cfg: TokenizerConfig) -> Callable | None:
     the GIL): on 2 cores the pair then costs about one load's wall time."""
     if cfg.name != "default" or _fastokens_engine not in ENGINES.get(cfg.backend, ()):
         return None
-    try:
-        import fastokens
-    except ImportError:
-        return None
     form = _bpe_form(None, True)
     assert form is not None
     result: list = [None]
     entering = threading.Event()
 
     def build() -> None:
-        try:
-            path = str(form.ranks_file())
-            entering.set()
-            tok = fastokens.Tokenizer.from_tiktoken(path, pattern=form.pattern, special_tokens={})
-            result[0] = FastokensEncoder(tok, form.ranks, form.normalize)
-        except Exception:
-            pass  # as _fastokens_engine: no engine, the next one is tried
-        finally:
-            entering.set()
+        result[0] = _fastokens_engine(form, entering)
 
     thread = threading.Thread(target=build, daemon=True, name="tokenmill-fastokens-load")
     thread.start()
