@@ -348,7 +348,7 @@ def _table(r: dict) -> str:
     rows = [
         f"serving {WORLD} ranks ({r['ranks_as']}), seq_len {r['seq_len']}, global batch "
         f"{r['global_batch_size']} ({r['global_batch_size'] // WORLD} rows/rank), "
-        f"{r['steps']} steps, {r['cpus']} CPUs",
+        f"{r['steps']} steps, prefetch window {r['prefetch']}, {r['cpus']} CPUs",
         f"  {'tokens/s to the last step':<34}{'export':>12}{f'served, {WORLD} ranks':>18}{'ratio':>8}",
     ]
     for key, label in labels.items():
@@ -386,7 +386,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="global steps (default 40 / 600)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--global-batch-size", type=int, default=32)
-    ap.add_argument("--prefetch", type=int, default=8, help="the service's prefetch window")
+    ap.add_argument(
+        "--prefetch",
+        type=int,
+        default=None,
+        help="the service's prefetch window (default: the service's own)",
+    )
     ap.add_argument("--threads", action="store_true", help="ranks as threads of this process")
     args = ap.parse_args(argv)
     steps = args.steps or (40 if args.quick else 600)
@@ -422,7 +427,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         raise SystemExit(f"global_batch_size {cfg.global_batch_size} is not divisible by {WORLD}")
 
     def log(what: str) -> None:
-        print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] {what}", file=sys.stderr,
+        print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] {what} ", file=sys.stderr,
               flush=True)  # fmt: skip
 
     log("imports done; starting Ray")
@@ -505,7 +510,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         "seq_len": cfg.seq_len,
         "global_batch_size": cfg.global_batch_size,
         "steps": steps,
-        "prefetch": args.prefetch,
+        "prefetch": metrics["prefetch"],
         "object_store_bytes": OBJECT_STORE_BYTES,
         "config": args.config or "demo corpus, code stream (pretrain)",
         "tokens": tok_end,

@@ -39,6 +39,7 @@ from pipeline.states import (
 )
 from pipeline.summary import RunSummary, summarize
 from pipeline.tokenization import load_tokenizer
+from service.protocol import META_STEP_ROWS
 
 
 class Feed:
@@ -214,6 +215,26 @@ def rank_slice(
     meta = dict(batch.schema.metadata or {})
     meta.update({b"rank": str(rank).encode(), b"world_size": str(world_size).encode()})
     return part.replace_schema_metadata(meta)
+
+
+def runs_of(parts: list[pa.RecordBatch]) -> list[tuple[pa.RecordBatch, int]]:
+    """Consecutive steps' batches (one rank's slices) joined into runs of one schema: each
+    run one record batch of their rows in order, with `global_step` the first step's and
+    `step_rows` the rows of each step ("4,4,2"), and how many steps it holds. A reader cuts
+    it back into steps by those counts (trainer.feed.to_torch_steps)."""
+    runs: list[list[pa.RecordBatch]] = []
+    for part in parts:
+        if runs and runs[-1][0].schema.equals(part.schema, check_metadata=False):
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    out = []
+    for run in runs:
+        meta = dict(run[0].schema.metadata or {})
+        meta[META_STEP_ROWS] = ",".join(str(p.num_rows) for p in run).encode()
+        joined = pa.concat_batches(run) if len(run) > 1 else run[0]
+        out.append((joined.replace_schema_metadata(meta), len(run)))
+    return out
 
 
 def next_steps(

@@ -26,6 +26,9 @@ META_RANK = b"rank"
 META_WORLD_SIZE = b"world_size"
 META_SEQ_LEN = b"seq_len"
 META_CONFIG_HASH = b"config_hash"
+# A reply's run of consecutive steps: the rows of each step, comma-separated ("4,4,4,2"),
+# and global_step the first's.
+META_STEP_ROWS = b"step_rows"
 
 # Actor concurrency groups and their sizes (threads). A consumer call waits at most
 # POLL_S on the server before it answers `wait`, so a group of this size serves this many
@@ -34,6 +37,15 @@ CONSUMER_GROUP = "consumers"
 CONTROL_GROUP = "control"
 CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16}
 POLL_S = 2.0
+# A rank asks for up to this many steps per call (trainer.feed.Feed), and the server's window
+# holds up to this many by default (service.serve.default_prefetch): a rank's cost, and the
+# server's, is mostly per call, and 32 steps cost ~1/3 of 8 per step (bench/serve_ranks.py).
+LOOKAHEAD = 32
+# An answer holds at most this many bytes of token ids (at least one step): what the rank
+# expands to ~8x in int64 tensors, and what the server may hold per step before it makes its
+# window shorter than LOOKAHEAD (WINDOW_BYTES).
+REPLY_BYTES = 8 << 20
+WINDOW_BYTES = 256 << 20
 # How long a rank that had to wait for a step may wait for more steps after it (server.get).
 LINGER_S = 0.25
 
@@ -56,11 +68,14 @@ class Welcome:
 class StepReply:
     """The answer to `get(rank, world_size, step, wait_s, count)`.
 
-    `ready`: `steps` holds the rank's slices of consecutive steps, from `step` on, in the reply
-    itself: each an Arrow IPC stream of one record batch in the compact layout
-    (`pipeline.arrays.from_ipc`, then `pipeline.exports.expand`). `end`: the data has ended.
-    `wait`: not produced yet; `reason` says why (`producing`, `paused`, or the ranks it waits
-    for).
+    `ready`: the rank's rows of consecutive steps, from `step` on, in the reply itself, as
+    `runs`: each an Arrow IPC stream of one record batch in the compact layout, holding the
+    rows of `counts[i]` consecutive steps one after the other (META_STEP_ROWS says how many
+    rows each; `pipeline.arrays.from_ipc`, then `trainer.feed.to_torch_steps`). Steps of one
+    schema share a run (a step has `labels` only when a segment masks tokens), so a rank
+    decodes each run in one pass, not each step: ~30% of a rank's CPU per step went to
+    per-step numpy calls on 4 x 2048 tokens. `end`: the data has ended. `wait`: not produced
+    yet; `reason` says why (`producing`, `paused`, or the ranks it waits for).
 
     Why in the reply and not as an ObjectRef (`ray.put` in the server, `ray.get` in the rank,
     as before): a reply under Ray's direct-call limit (100 KB) travels inline with the call's
@@ -70,12 +85,18 @@ class StepReply:
     put was the server's largest cost (bench/serve_ranks.py)."""
 
     status: str
-    steps: list[Any] = field(default_factory=list)
+    runs: list[Any] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
     reason: str = ""
 
     @property
     def ready(self) -> bool:
         return self.status == "ready"
+
+    @property
+    def steps(self) -> int:
+        """How many steps the reply holds."""
+        return sum(self.counts)
 
 
 class StepGone(LookupError):

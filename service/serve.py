@@ -37,7 +37,7 @@ class ServiceExists(RuntimeError):
 
 
 def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = None,
-                 prefetch: int = 8, allow_config_change: bool = False):  # fmt: skip
+                 prefetch: int | None = None, allow_config_change: bool = False):  # fmt: skip
     """Launch the named batch-server actor, owned by this process, and wait until it answers.
 
     A service of that name whose `serve` process is gone (no heartbeat for STALE_BEAT_S, or

@@ -27,14 +27,17 @@ import time
 
 from pipeline.arrays import to_ipc
 from pipeline.config import Config
-from pipeline.feed import Feed, rank_slice
+from pipeline.feed import Feed, rank_slice, runs_of
 from pipeline.states import StateError
 from pipeline.summary import summarize
 from service.producer import Producer
 from service.protocol import (
     LINGER_S,
+    LOOKAHEAD,
     POLL_S,
+    REPLY_BYTES,
     STOPPING,
+    WINDOW_BYTES,
     StepGone,
     StepReply,
     Welcome,
@@ -52,18 +55,26 @@ class _Default(enum.Enum):
 _DEFAULT = _Default.TOKEN
 
 
+def default_prefetch(cfg: Config) -> int:
+    """The window's default length in global steps: LOOKAHEAD, so that a hungry rank can take
+    that many in one call, unless the window would then hold more than WINDOW_BYTES of token
+    ids (a step of G x L int32), and never fewer than 8."""
+    step_bytes = cfg.global_batch_size * cfg.seq_len * 4
+    return max(8, min(LOOKAHEAD, WINDOW_BYTES // step_bytes))
+
+
 class BatchServer:
     def __init__(
         self,
         cfg_json: dict,
         state: dict | None = None,
-        prefetch: int = 8,
+        prefetch: int | None = None,
         keep_states: int = 10_000,
         rank_timeout_s: float | None | _Default = _DEFAULT,
         allow_config_change: bool = False,
     ):
         self.cfg = Config.model_validate(cfg_json)
-        self.prefetch = max(1, prefetch)
+        self.prefetch = max(1, prefetch or default_prefetch(self.cfg))
         self.keep_states = keep_states
         self.rank_timeout_s = (
             self.cfg.service.rank_timeout_s if rank_timeout_s is _DEFAULT else rank_timeout_s
@@ -140,8 +151,9 @@ class BatchServer:
     def get(
         self, rank: int, world_size: int, step: int, wait_s: float = POLL_S, count: int = 1
     ) -> StepReply:
-        """Rank `rank`'s slices of global steps `step`, `step + 1`, ... (up to `count`), waiting
-        at most `wait_s` for the first.
+        """Rank `rank`'s rows of global steps `step`, `step + 1`, ... (up to `count`, and up to
+        REPLY_BYTES of token ids), waiting at most `wait_s` for the first; joined into runs of
+        one schema (StepReply).
 
         A rank that had to wait for the producer (in this call, or in its last) is a rank the
         producer cannot keep up with: it then lingers, at most LINGER_S, until `count` steps
@@ -153,9 +165,12 @@ class BatchServer:
         Why: a rank's cost, and the actor's, is mostly per call (Ray's RPC on both sides). On
         2 cores, 8 ranks that consume as fast as they can took 1 to 3 steps per call and spent,
         with the actor, ~26 ms of CPU per global step, on the cores that tokenize; lingering,
-        ~7 steps per call and ~14 ms (bench/serve_ranks.py)."""
+        ~7 steps per call and ~14 ms; with LOOKAHEAD 32 and one decode per run, ~26 steps per
+        call and ~10 ms (bench/serve_ranks.py)."""
         self._check_world(world_size)
-        want = max(1, min(count, self.prefetch))
+        G, L = self.cfg.global_batch_size, self.cfg.seq_len
+        slice_bytes = -(-G // max(1, world_size)) * L * 4  # its rows of int32 token ids
+        want = max(1, min(count, self.prefetch, REPLY_BYTES // slice_bytes))
         deadline = time.monotonic() + max(0.0, min(wait_s, 30.0))
         linger_until: float | None = None  # set when a hungry rank's first step is there
         waited = self._hungry.get(rank, False)  # its last call waited for the producer
@@ -187,9 +202,9 @@ class BatchServer:
                 waited = True
                 self._cond.wait(timeout=min(left, 1.0))
         # Sliced outside the lock: under it, one rank's copy held up every other rank.
-        G = self.cfg.global_batch_size
         parts = [rank_slice(b, rank, world_size, G, own_buffers=False) for b in batches]
-        return StepReply("ready", [to_ipc(part) for part in parts])  # only its rows
+        runs = runs_of(parts)
+        return StepReply("ready", [to_ipc(run) for run, _ in runs], [n for _, n in runs])
 
     def _deliver_now(self, step: int, want: int) -> bool:
         """May a hungry rank have `step` (produced) without lingering for more?"""

@@ -41,12 +41,13 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 def take(server, rank: int, world_size: int, step: int, timeout_s: float = 60.0):
-    """`rank`'s slices from `step` on (a list; long-polling), or None when the data ended."""
+    """`rank`'s runs of steps from `step` on (IPC streams; long-polling), or None when the data
+    ended."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         reply = server.get(rank, world_size, step, 1.0)
         if reply.ready:
-            return reply.steps
+            return reply.runs
         if reply.status in ("end", "stopped"):
             return None
     raise TimeoutError(f"step {step} was not served within {timeout_s}s")
@@ -105,7 +106,7 @@ def test_put_mixture_takes_effect_at_the_stated_step(client, server):
     # it: a step is held, and the producer runs ahead, only as far as the ranks allow)
     for s in range(server.status()["first_step"], step + 1):
         steps = take(server, 0, 1, s)
-    batch = from_ipc(steps[0])  # one step was asked for: a list of one slice
+    batch = from_ipc(steps[0])  # one step was asked for: one run of one step
     assert set(s for row in batch.column("stream").to_pylist() for s in row) == {"code"}
 
 

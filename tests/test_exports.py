@@ -376,3 +376,35 @@ def test_derived_positions_match_a_token_by_token_reference():
         col = pa.array([[1]] * lead + rows, type=pa.list_(pa.int32())).slice(lead)
         got = [a.tolist() for a in _positions(col, len(rows), L)]
         assert got == [list(x) for x in _reference_positions(rows, L)], (rows, L)
+
+
+def test_a_reply_run_decodes_to_each_step_of_the_rank(tmp_path):
+    """What a rank gets in one answer (BatchServer.get: runs_of, to_ipc) cuts back into its
+    steps (trainer.feed.to_torch_steps) exactly as each step decodes alone: across a schema
+    change, which starts a new run, and a short last step that leaves some ranks no row."""
+    import numpy as np
+
+    from pipeline.arrays import from_ipc, to_ipc
+    from pipeline.exports import tensor_columns
+    from pipeline.feed import Feed, rank_slice, runs_of
+    from trainer.feed import to_torch_steps
+
+    cfg = _config(_corpus(tmp_path), chat=False)
+    feed = Feed(cfg, iter_blocks_local)
+    feed.full_batches = False
+    steps = [feed.next_step() for _ in range(6)]
+    feed.close()
+    steps[2] = expand(steps[2])  # another layout: its own run
+    steps[5] = steps[5].slice(0, 2)  # a short last step: ranks 2 and 3 of 4 get no row
+    G, W = cfg.global_batch_size, 4
+    for rank in range(W):
+        parts = [rank_slice(s, rank, W, G, own_buffers=False) for s in steps]
+        runs = runs_of(parts)
+        assert [n for _, n in runs] == [2, 1, 3]
+        got = [step for run, _ in runs for step in to_torch_steps(from_ipc(to_ipc(run)))]
+        assert [g["global_step"] for g in got] == list(range(6))
+        for g, part in zip(got, parts, strict=True):
+            assert g["seq_lens"] == part.column("seq_lens").to_pylist()
+            for name, want in tensor_columns(part).items():
+                assert np.array_equal(g[name].numpy(), want.reshape(part.num_rows, SEQ)), name
+        assert got[5]["input_ids"].shape == ((1 if rank < 2 else 0), SEQ)

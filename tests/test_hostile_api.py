@@ -92,7 +92,7 @@ def test_concurrent_weight_changes_while_ranks_pull_are_all_accepted(client, ser
     ],
 )
 def test_a_bad_resume_state_is_refused_and_the_running_sequence_goes_on(server, mutate):
-    first = from_ipc(take(server, 0, 1, 0)[0])  # the slices of the steps fetched: one here
+    first = from_ipc(take(server, 0, 1, 0)[0])  # the runs of the steps fetched: one here
     good = server.state(1)
     with pytest.raises(StateError):
         server.seek(mutate(dict(good)))

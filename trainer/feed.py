@@ -30,7 +30,9 @@ import numpy as np
 from service.protocol import (
     CONSUMER_GROUP,
     CONTROL_GROUP,
+    LOOKAHEAD,
     META_GLOBAL_STEP,
+    META_STEP_ROWS,
     NAMESPACE,
     POLL_S,
     SERVICE_NAME,
@@ -43,36 +45,48 @@ class FeedError(RuntimeError):
     """The service is gone, stopped, failed, or does not answer."""
 
 
-def to_torch(batch) -> dict:
-    """A batch of either layout as int64 tensors [rows, L], its seq_lens and global step. The
-    compact layout's derived columns are computed here, straight into numpy."""
+def to_torch_steps(batch) -> list[dict]:
+    """A run of steps (protocol.StepReply: one record batch of either layout, META_STEP_ROWS
+    rows after rows) as one dict per step: int64 tensors [rows, L], its seq_lens and global
+    step. The compact layout's derived columns are computed here, straight into numpy, for
+    the whole run at once; each column is copied once, and a step's tensors are views of
+    the run's (contiguous rows)."""
     import torch
 
     from pipeline.exports import tensor_columns
 
     n = batch.num_rows
+    L = batch.column("input_ids").type.list_size
     meta = batch.schema.metadata or {}
-    out = {
-        name: torch.from_numpy(flat.reshape(n, -1).astype(np.int64))  # the one copy
+    first = int(meta.get(META_GLOBAL_STEP, b"-1"))
+    rows = [int(r) for r in meta[META_STEP_ROWS].split(b",")] if META_STEP_ROWS in meta else [n]
+    cols = {
+        name: torch.from_numpy(flat.reshape(n, L).astype(np.int64))  # the one copy
         for name, flat in tensor_columns(batch).items()
     }
-    out["seq_lens"] = batch.column("seq_lens").to_pylist()
-    out["global_step"] = int(meta.get(META_GLOBAL_STEP, b"-1"))
-    return out
+    lens = batch.column("seq_lens").to_pylist()
+    steps, at = [], 0
+    for i, r in enumerate(rows):
+        step = {name: t[at : at + r] for name, t in cols.items()}
+        step["seq_lens"] = lens[at : at + r]
+        step["global_step"] = first + i
+        steps.append(step)
+        at += r
+    return steps
 
 
 class Feed:
-    # Steps fetched per call, at most (the service's prefetch window caps it, 8 by default).
-    # A rank's cost is mostly per call (Ray's RPC on both sides), so a hungry rank takes up
-    # to this many in one answer (see BatchServer.get: it lingers for them), ~35 KB each.
-    LOOKAHEAD = 8
+    # Steps fetched per call, at most (the service's prefetch window caps it, and so does
+    # protocol.REPLY_BYTES). A rank's cost is mostly per call (Ray's RPC on both sides), so a
+    # hungry rank takes up to this many in one answer (BatchServer.get lingers for them).
+    LOOKAHEAD = LOOKAHEAD
 
     def __init__(self, server, rank: int, world_size: int, step: int, timeout_s: float):
         self.server, self.rank, self.world_size = server, rank, world_size
         self.step = step  # the next step this rank consumes
         self.timeout_s = timeout_s
         self.lookahead = self.LOOKAHEAD
-        self._ahead: list = []  # fetched, not yet consumed: steps self.step, self.step + 1...
+        self._ahead: list[dict] = []  # fetched, decoded, not yet consumed: self.step, ...
         self.calls = 0  # `get` calls made (a rank's cost is mostly per call, not per step)
 
     @classmethod
@@ -128,10 +142,11 @@ class Feed:
         from pipeline.arrays import from_ipc
 
         if not self._ahead:
-            self._ahead = self._fetch()
-        batch = from_ipc(self._ahead.pop(0))
+            runs = self._fetch()
+            self._ahead = [step for run in runs for step in to_torch_steps(from_ipc(run))]
+            self._ahead.reverse()  # consumed from the end
         self.step += 1
-        return to_torch(batch)  # the service sends the compact layout
+        return self._ahead.pop()
 
     def _fetch(self) -> list:
         """This rank's next steps: at least one, up to LOOKAHEAD if they are produced."""
@@ -162,7 +177,7 @@ class Feed:
                 told = now
                 print(f"tokenmill: rank {self.rank} waits for step {self.step}: {reply.reason}",
                       file=sys.stderr, flush=True)  # fmt: skip
-        return list(reply.steps)
+        return list(reply.runs)
 
     def report_wait(self, seconds: float) -> None:
         fn = self.server.report_wait.options(concurrency_group=CONTROL_GROUP)
