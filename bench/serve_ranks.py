@@ -15,9 +15,12 @@ capped at 512 MiB), over one config (default: the demo corpus's pretraining stre
    for the same N steps (the same global sequence the export wrote).
 
 Rates, each defined the same way for both: real tokens (sum of seq_lens) of the steps after
-step k over the time from step k done to the last step done; a served step is done when its
-last rank holds it; the export reports progress every few steps, so k is the last step of
-one of its reports.
+step k over the time from step k done to the last step done. The export reports progress
+every few steps, so k is the last step of one of its reports. A served step is done when its
+last rank holds it, and a rank holds a step when the answer that carried it arrived: one
+answer carries up to 32 steps, so the steps of one answer arrive together, and k is moved on
+to the last step that arrived with it (counting the steps that came in k's answer as arrived
+after k would credit them with no time).
 - headline, "steady": k about N/2. The reads are 8 MiB blocks (~35 steps of 32 x 2048
   here), tokenized ahead while the first step waits, so the steps right after the first are
   packed from memory and the start-up is still in flight; by mid-run both pipelines run at
@@ -97,21 +100,24 @@ def _cpu_s(pid: int | None = None) -> float:
 def pull(service: str, rank: int, world: int, steps: int, address: str | None = None) -> dict:
     """Connect as `rank` of `world` and take `steps` batches as fast as possible.
 
-    Returns {"steps": [[global_step, t_done, latency_s, real_tokens, cpu_s], ...]}: times on
-    time.monotonic (one clock for every process of this machine), cpu_s this process's."""
+    Returns {"steps": [[global_step, t_done, latency_s, real_tokens, cpu_s, t_arrived], ...]}:
+    times on time.monotonic (one clock for every process of this machine), cpu_s this
+    process's; t_arrived when the answer that carried the step arrived (the t_done of the
+    first step that answer carried)."""
     from trainer.feed import Feed
 
     feed = Feed.connect(service=service, rank=rank, world_size=world, address=address,
                         timeout_s=120)  # fmt: skip
-    out = []
+    out, arrived = [], 0.0
     for _ in range(steps):
-        t = time.monotonic()
+        t, calls = time.monotonic(), feed.calls
         batch = next(feed, None)
         done = time.monotonic()
         if batch is None:
             break
+        arrived = done if feed.calls != calls else arrived
         tokens = sum(sum(lens) for lens in batch["seq_lens"])
-        out.append([batch["global_step"], done, done - t, tokens, _cpu_s()])
+        out.append([batch["global_step"], done, done - t, tokens, _cpu_s(), arrived])
     calls = feed.calls
     feed.close()
     return {"rank": rank, "steps": out, "calls": calls}
@@ -311,8 +317,8 @@ def delivered(results: list[dict], steps: int) -> dict:
     tokens over all ranks, the ranks' CPU seconds by then (processes), and the latencies."""
     by_step: dict[int, list] = {}
     for res in results:
-        for step, done, _, tokens, cpu in res["steps"]:
-            by_step.setdefault(step, []).append((done, tokens, cpu))
+        for step, _, _, tokens, cpu, arrived in res["steps"]:
+            by_step.setdefault(step, []).append((arrived, tokens, cpu))
     complete = sorted(s for s, v in by_step.items() if len(v) == WORLD)
     if complete != list(range(steps)):
         raise RuntimeError(f"the ranks got {len(complete)} complete steps of {steps}")
@@ -427,7 +433,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         raise SystemExit(f"global_batch_size {cfg.global_batch_size} is not divisible by {WORLD}")
 
     def log(what: str) -> None:
-        print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] {what} ", file=sys.stderr,
+        print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] {what}", file=sys.stderr,
               flush=True)  # fmt: skip
 
     log("imports done; starting Ray")
@@ -483,6 +489,8 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
     for label, (t_a, written, tok_a) in opens.items():
         a = written - 1
         s_a = max(a, produced_at_connect)  # the ranks were all there when it was produced
+        while s_a + 1 < steps and done[s_a + 1] == done[s_a]:  # came in one answer with s_a
+            s_a += 1
         rates[label] = {
             "after_step": a,
             "export": (tok_end - tok_a) / (t_end - t_a),

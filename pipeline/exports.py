@@ -72,10 +72,13 @@ def is_compact(batch: pa.RecordBatch) -> bool:
     return (batch.schema.metadata or {}).get(LAYOUT_KEY) == b"compact"
 
 
-def tensor_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
+def tensor_columns(batch: pa.RecordBatch, dtype=np.int32) -> dict[str, np.ndarray]:
     """`input_ids`, `labels`, `position_ids`, `segment_ids` of a batch of either layout, each
     a flat numpy array of rows x L, without building Arrow arrays for the derived ones: what
-    a trainer rank turns into tensors (trainer/feed.py)."""
+    a trainer rank turns into tensors (trainer/feed.py). The columns stored are views of the
+    batch (int32); the derived ones are made in `dtype`, so that a rank that wants int64
+    makes them as such and copies only the stored ones (every copy of a run's column is
+    fresh memory, faulted in page by page: ~1/3 of a rank's decoding here)."""
     L = batch.column("input_ids").type.list_size
     n = batch.num_rows
 
@@ -86,9 +89,11 @@ def tensor_columns(batch: pa.RecordBatch) -> dict[str, np.ndarray]:
     ids = flat("input_ids")
     if not is_compact(batch):
         return {name: flat(name) for name in ("input_ids", "labels", "position_ids", "segment_ids")}
-    positions, segments, starts = _positions(batch.column("seq_lens"), n, L)
+    positions, segments, starts = _positions(batch.column("seq_lens"), n, L, dtype)
     labels = (
-        flat("labels") if "labels" in batch.schema.names else _derived_labels(ids, segments, starts)
+        flat("labels")
+        if "labels" in batch.schema.names
+        else _derived_labels(ids, segments, starts, dtype)
     )
     return {"input_ids": ids, "labels": labels, "position_ids": positions, "segment_ids": segments}
 
@@ -124,8 +129,9 @@ def expand_table(table: pa.Table) -> pa.RecordBatch:
 # -- derivation --------------------------------------------------------------------------------
 
 
-def _positions(lens_col: pa.ListArray, n_rows: int, L: int):
-    """(position_ids, segment_ids, first-token flags) as flat int32/bool arrays of n_rows * L.
+def _positions(lens_col: pa.ListArray, n_rows: int, L: int, dtype=np.int32):
+    """(position_ids, segment_ids, first-token flags) as flat `dtype`/bool arrays of
+    n_rows * L.
 
     Every row is its documents, then its padding: one run per document and one per row's
     padding (possibly empty), laid end to end over all rows. A position is the distance to
@@ -145,18 +151,20 @@ def _positions(lens_col: pa.ListArray, n_rows: int, L: int):
     )
     number[ends + np.arange(n_rows)] = 0  # the padding runs
     run_start = np.cumsum(runs) - runs
-    positions = (np.arange(n_rows * L, dtype=np.int64) - np.repeat(run_start, runs)).astype(
-        np.int32
-    )
-    segments = np.repeat(number, runs).astype(np.int32)
+    positions = np.arange(n_rows * L, dtype=np.int64)
+    positions -= np.repeat(run_start, runs)
+    positions = positions.astype(dtype, copy=False)
+    segments = np.repeat(number, runs).astype(dtype, copy=False)
     positions[segments == 0] = 0
     starts = np.zeros(n_rows * L, dtype=bool)
     starts[run_start[(number > 0) & (runs > 0)]] = True
     return positions, segments, starts
 
 
-def _derived_labels(ids: np.ndarray, segments: np.ndarray, starts: np.ndarray) -> np.ndarray:
-    labels = ids.astype(np.int32, copy=True)
+def _derived_labels(
+    ids: np.ndarray, segments: np.ndarray, starts: np.ndarray, dtype=np.int32
+) -> np.ndarray:
+    labels = ids.astype(dtype, copy=True)
     labels[(segments == 0) | starts] = IGNORE
     return labels
 

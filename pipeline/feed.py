@@ -39,7 +39,7 @@ from pipeline.states import (
 )
 from pipeline.summary import RunSummary, summarize
 from pipeline.tokenization import load_tokenizer
-from service.protocol import META_STEP_ROWS
+from service.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
 
 
 class Feed:
@@ -192,6 +192,24 @@ class Feed:
         return summarize(self)
 
 
+def rank_rows(num_rows: int, rank: int, world_size: int, global_batch_size: int) -> slice:
+    """Which rows of a global step of `num_rows` rows are rank `rank`'s (the last step may be
+    short, and leave a rank fewer rows, or none)."""
+    if global_batch_size % world_size:
+        raise ValueError(
+            f"global_batch_size {global_batch_size} is not divisible by world size {world_size}"
+        )
+    per_rank = global_batch_size // world_size
+    start = min(rank * per_rank, num_rows)
+    return slice(start, min(start + per_rank, num_rows))
+
+
+def _rank_meta(batch: pa.RecordBatch, rank: int, world_size: int) -> dict:
+    meta = dict(batch.schema.metadata or {})
+    meta.update({META_RANK: str(rank).encode(), META_WORLD_SIZE: str(world_size).encode()})
+    return meta
+
+
 def rank_slice(
     batch: pa.RecordBatch,
     rank: int,
@@ -204,35 +222,33 @@ def rank_slice(
     `own_buffers=False` gives a zero-copy view, which still holds the whole step's buffers:
     for a writer or `to_ipc`, which take only its rows. Pickled, a view carried them all
     (527 KB instead of 67 KB per rank of a 16 x 2048 step), hence the copy by default."""
-    if global_batch_size % world_size:
-        raise ValueError(
-            f"global_batch_size {global_batch_size} is not divisible by world size {world_size}"
-        )
-    per_rank = global_batch_size // world_size
-    start = min(rank * per_rank, batch.num_rows)
-    part = batch.slice(start, max(0, min(per_rank, batch.num_rows - start)))
+    rows = rank_rows(batch.num_rows, rank, world_size, global_batch_size)
+    part = batch.slice(rows.start, rows.stop - rows.start)
     part = pa.concat_batches([part]) if own_buffers and world_size > 1 else part
-    meta = dict(batch.schema.metadata or {})
-    meta.update({b"rank": str(rank).encode(), b"world_size": str(world_size).encode()})
-    return part.replace_schema_metadata(meta)
+    return part.replace_schema_metadata(_rank_meta(batch, rank, world_size))
 
 
-def runs_of(parts: list[pa.RecordBatch]) -> list[tuple[pa.RecordBatch, int]]:
-    """Consecutive steps' batches (one rank's slices) joined into runs of one schema: each
+def rank_runs(
+    batches: list[pa.RecordBatch], rank: int, world_size: int, global_batch_size: int
+) -> list[tuple[pa.RecordBatch, int]]:
+    """Rank `rank`'s rows of consecutive global steps, joined into runs of one schema: each
     run one record batch of their rows in order, with `global_step` the first step's and
     `step_rows` the rows of each step ("4,4,2"), and how many steps it holds. A reader cuts
-    it back into steps by those counts (trainer.feed.to_torch_steps)."""
+    it back into steps by those counts (trainer.feed.to_torch_steps). What a rank gets in one
+    answer of the batch service (service/server.py)."""
     runs: list[list[pa.RecordBatch]] = []
-    for part in parts:
+    for batch in batches:
+        rows = rank_rows(batch.num_rows, rank, world_size, global_batch_size)
+        part = batch.slice(rows.start, rows.stop - rows.start)
         if runs and runs[-1][0].schema.equals(part.schema, check_metadata=False):
             runs[-1].append(part)
         else:
             runs.append([part])
     out = []
     for run in runs:
-        meta = dict(run[0].schema.metadata or {})
-        meta[META_STEP_ROWS] = ",".join(str(p.num_rows) for p in run).encode()
-        joined = pa.concat_batches(run) if len(run) > 1 else run[0]
+        step_rows = ",".join(str(p.num_rows) for p in run).encode()
+        joined = pa.concat_batches(run) if len(run) > 1 else run[0]  # the first's metadata
+        meta = _rank_meta(run[0], rank, world_size) | {META_STEP_ROWS: step_rows}
         out.append((joined.replace_schema_metadata(meta), len(run)))
     return out
 

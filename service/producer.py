@@ -26,12 +26,14 @@ class Producer:
         cond: threading.Condition,
         keep_states: int = 10_000,
         on_step: Callable[[], None] | None = None,
+        on_change: Callable[[], None] | None = None,
     ):
         self.feed = feed
         self.window = window
         self.cond = cond
         self.keep_states = keep_states
-        self.on_step = on_step or (lambda: None)
+        self.on_step = on_step or (lambda: None)  # under the lock, after each step made
+        self.on_change = on_change or (lambda: None)  # under the lock: stop, pause, end, error
         self.states: OrderedDict[int, dict] = OrderedDict({feed.step: feed.get_state()})
         self.state = STARTING
         self.error: str | None = None
@@ -53,6 +55,7 @@ class Producer:
         with self.cond:
             self._stop = True
             self.cond.notify_all()
+            self.on_change()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout_s)
         self.feed.close()
@@ -61,6 +64,7 @@ class Producer:
         with self.cond:
             self.paused = paused
             self.cond.notify_all()
+            self.on_change()
 
     @property
     def ended(self) -> bool:
@@ -87,6 +91,7 @@ class Producer:
                     if batch is None:
                         self.state = FINISHED
                         self.cond.notify_all()
+                        self.on_change()
                         return
                     self.window.add(self.feed.step - 1, batch)
                     self.states[self.feed.step] = self.feed.get_state()
@@ -100,3 +105,4 @@ class Producer:
                 self.state = FAILED
                 self.error = f"{type(e).__name__}: {e}"
                 self.cond.notify_all()
+                self.on_change()

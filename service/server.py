@@ -27,7 +27,7 @@ import time
 
 from pipeline.arrays import to_ipc
 from pipeline.config import Config
-from pipeline.feed import Feed, rank_slice, runs_of
+from pipeline.feed import Feed, rank_runs
 from pipeline.states import StateError
 from pipeline.summary import summarize
 from service.producer import Producer
@@ -79,7 +79,12 @@ class BatchServer:
         self.rank_timeout_s = (
             self.cfg.service.rank_timeout_s if rank_timeout_s is _DEFAULT else rank_timeout_s
         )
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # Hungry ranks linger here (get), woken only when the steps they wait for are made
+        # (_on_step): on the shared condition, every step woke every lingering rank.
+        self._lingering = threading.Condition(lock)
+        self._linger_for: dict[int, int] = {}  # rank -> the step count (produced) it waits for
         self.telemetry = Telemetry()
         self._started = time.time()
         self._stop_requested = False
@@ -119,13 +124,18 @@ class BatchServer:
         self.feed = feed
         self.window = StepWindow(feed.step, self.prefetch, self.rank_timeout_s)
         self.producer = Producer(
-            feed, self.window, self._cond, self.keep_states, on_step=self._on_step
-        ).start()
+            feed, self.window, self._cond, self.keep_states, on_step=self._on_step,
+            on_change=self._lingering.notify_all,
+        ).start()  # fmt: skip
 
     def _on_step(self) -> None:  # under the lock, after each produced step
         self._sample(force=False)
+        if self._linger_for and self.window.produced >= min(self._linger_for.values()):
+            self._lingering.notify_all()
 
     def _sample(self, force: bool) -> None:
+        if not self.telemetry.due(force):  # every step calls; one a second is kept
+            return
         m = self.feed.mixer
         targets = dict(zip(m.names, m.scheduled_weights(max(self.feed.step - 1, 0)).tolist(), strict=True))  # fmt: skip
         self.telemetry.sample(self.feed.real_tokens, self.feed.rows, m.realized(), targets, force)
@@ -180,7 +190,11 @@ class BatchServer:
                     linger_until = linger_until or time.monotonic() + LINGER_S
                     left = linger_until - time.monotonic()
                     if left > 0:
-                        self._cond.wait(timeout=left)
+                        self._linger_for[rank] = step + want
+                        try:
+                            self._lingering.wait(timeout=left)
+                        finally:
+                            del self._linger_for[rank]
                         continue
                 batch = self.window.take(rank, world_size, step)
                 if batch is not None:
@@ -202,13 +216,13 @@ class BatchServer:
                 waited = True
                 self._cond.wait(timeout=min(left, 1.0))
         # Sliced outside the lock: under it, one rank's copy held up every other rank.
-        parts = [rank_slice(b, rank, world_size, G, own_buffers=False) for b in batches]
-        runs = runs_of(parts)
+        runs = rank_runs(batches, rank, world_size, G)
         return StepReply("ready", [to_ipc(run) for run, _ in runs], [n for _, n in runs])
 
     def _deliver_now(self, step: int, want: int) -> bool:
-        """May a hungry rank have `step` (produced) without lingering for more?"""
-        ready = all(s in self.window.steps for s in range(step, step + want))
+        """May a hungry rank have `step` (produced) without lingering for more? (The window
+        holds consecutive steps, up to the last produced.)"""
+        ready = step + want <= self.window.produced
         return ready or self.producer.paused or self.producer.ended or self._stop_requested
 
     def _check_world(self, world_size: int) -> None:
@@ -260,6 +274,7 @@ class BatchServer:
                 self._install(feed)
                 self._seeked = state
                 self._cond.notify_all()
+                self._lingering.notify_all()
             return step
 
     # -- control (concurrency group `control`) ------------------------------------------------
@@ -297,6 +312,7 @@ class BatchServer:
         with self._cond:
             self._stop_requested = True
             self._cond.notify_all()
+            self._lingering.notify_all()
         return STOPPING
 
     def drain_rejects(self) -> list[dict]:

@@ -26,12 +26,15 @@ class Telemetry:
         self.rejects_total = 0
         self.rejects_unlisted = 0
 
+    def due(self, force: bool = False) -> bool:
+        """Would a sample be kept now? (One a second: the caller may skip computing it.)"""
+        return force or not self.history or self.clock() - self.history[-1][0] >= 1.0
+
     def sample(self, tokens: int, rows: int, shares: dict, targets: dict, force=False) -> None:
-        """One throughput sample, at most one a second (the last of a burst is kept)."""
-        now = self.clock()
-        if not force and self.history and now - self.history[-1][0] < 1.0:
+        """One throughput sample, at most one a second (the first of a second is kept)."""
+        if not self.due(force):
             return
-        self.history.append((now, tokens, rows, shares, targets))
+        self.history.append((self.clock(), tokens, rows, shares, targets))
 
     def report_wait(self, rank: int, seconds: float) -> None:
         self.waits.append((self.clock(), int(rank), float(seconds)))

@@ -378,15 +378,21 @@ def test_derived_positions_match_a_token_by_token_reference():
         assert got == [list(x) for x in _reference_positions(rows, L)], (rows, L)
 
 
-def test_a_reply_run_decodes_to_each_step_of_the_rank(tmp_path):
-    """What a rank gets in one answer (BatchServer.get: runs_of, to_ipc) cuts back into its
+@pytest.mark.parametrize("decode_tokens", [1, 2 * SEQ, 1 << 16], ids=["step", "two", "all"])
+def test_a_reply_run_decodes_to_each_step_of_the_rank(tmp_path, monkeypatch, decode_tokens):
+    """What a rank gets in one answer (BatchServer.get: rank_runs, to_ipc) cuts back into its
     steps (trainer.feed.to_torch_steps) exactly as each step decodes alone: across a schema
-    change, which starts a new run, and a short last step that leaves some ranks no row."""
+    change, which starts a new run, and a short last step that leaves some ranks no row;
+    decoded a step, two steps, or the whole run per pass."""
     import numpy as np
+
+    import trainer.feed
+
+    monkeypatch.setattr(trainer.feed, "DECODE_TOKENS", decode_tokens)
 
     from pipeline.arrays import from_ipc, to_ipc
     from pipeline.exports import tensor_columns
-    from pipeline.feed import Feed, rank_slice, runs_of
+    from pipeline.feed import Feed, rank_runs, rank_slice
     from trainer.feed import to_torch_steps
 
     cfg = _config(_corpus(tmp_path), chat=False)
@@ -398,8 +404,8 @@ def test_a_reply_run_decodes_to_each_step_of_the_rank(tmp_path):
     steps[5] = steps[5].slice(0, 2)  # a short last step: ranks 2 and 3 of 4 get no row
     G, W = cfg.global_batch_size, 4
     for rank in range(W):
-        parts = [rank_slice(s, rank, W, G, own_buffers=False) for s in steps]
-        runs = runs_of(parts)
+        parts = [rank_slice(s, rank, W, G) for s in steps]  # each step alone
+        runs = rank_runs(steps, rank, W, G)
         assert [n for _, n in runs] == [2, 1, 3]
         got = [step for run, _ in runs for step in to_torch_steps(from_ipc(to_ipc(run)))]
         assert [g["global_step"] for g in got] == list(range(6))
