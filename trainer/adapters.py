@@ -142,7 +142,7 @@ class FeedDataset(IterableDataset):
             return
         # Re-join as the same rank with the state: the service seeks, the client restarts there.
         welcome = self.feed._call("hello", self.rank, self.world_size, state, group=CONSUMER_GROUP)
-        self.feed.step, self.feed._ahead = welcome.step, []
+        self.feed.step, self.feed._ahead = welcome.step, iter(())
 
     def close(self) -> None:
         if self.feed is not None:

@@ -21,9 +21,11 @@ int64 torch tensors.
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -51,12 +53,13 @@ class FeedError(RuntimeError):
 DECODE_TOKENS = 1 << 16
 
 
-def to_torch_steps(batch) -> list[dict]:
+def to_torch_steps(batch) -> Iterator[dict]:
     """A run of steps (protocol.StepReply: one record batch of either layout, META_STEP_ROWS
     rows after rows) as one dict per step: int64 tensors [rows, L], its seq_lens and global
     step. The compact layout's derived columns are computed here, straight into numpy, a
-    few steps per pass (DECODE_TOKENS); each stored column is copied once, and a step's
-    tensors are views of its pass's (contiguous rows)."""
+    few steps per pass (DECODE_TOKENS), each pass when its first step is asked for: the
+    memory of the steps consumed before is free again by then. Each stored column is copied
+    once, and a step's tensors are views of its pass's (contiguous rows)."""
     import torch
 
     from pipeline.exports import tensor_columns
@@ -67,7 +70,6 @@ def to_torch_steps(batch) -> list[dict]:
     first = int(meta.get(META_GLOBAL_STEP, b"-1"))
     rows = [int(r) for r in meta[META_STEP_ROWS].split(b",")] if META_STEP_ROWS in meta else [n]
     lens = batch.column("seq_lens").to_pylist()
-    steps: list[dict] = []
     at, i = 0, 0
     while i < len(rows):
         j, m = i + 1, rows[i]  # steps i..j-1, m rows, in this pass
@@ -83,10 +85,9 @@ def to_torch_steps(batch) -> list[dict]:
             step = {name: t[a : a + rows[k]] for name, t in cols.items()}
             step["seq_lens"] = lens[at + a : at + a + rows[k]]
             step["global_step"] = first + k
-            steps.append(step)
             a += rows[k]
+            yield step
         at, i = at + m, j
-    return steps
 
 
 class Feed:
@@ -100,7 +101,7 @@ class Feed:
         self.step = step  # the next step this rank consumes
         self.timeout_s = timeout_s
         self.lookahead = self.LOOKAHEAD
-        self._ahead: list[dict] = []  # fetched, decoded, not yet consumed: self.step, ...
+        self._ahead: Iterator[dict] = iter(())  # fetched, not yet consumed: self.step, ...
         self.calls = 0  # `get` calls made (a rank's cost is mostly per call, not per step)
 
     @classmethod
@@ -155,12 +156,15 @@ class Feed:
     def __next__(self) -> dict:
         from pipeline.arrays import from_ipc
 
-        if not self._ahead:
+        step = next(self._ahead, None)
+        if step is None:
             runs = self._fetch()
-            self._ahead = [step for run in runs for step in to_torch_steps(from_ipc(run))]
-            self._ahead.reverse()  # consumed from the end
+            self._ahead = itertools.chain.from_iterable(
+                to_torch_steps(from_ipc(run)) for run in runs
+            )
+            step = next(self._ahead)
         self.step += 1
-        return self._ahead.pop()
+        return step
 
     def _fetch(self) -> list:
         """This rank's next steps: at least one, up to LOOKAHEAD if they are produced."""
