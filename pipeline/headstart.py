@@ -76,6 +76,9 @@ class HeadStart:
         self._stop = False
         self._warm = False  # the executor has delivered a block
         self._taken: set[int] = set()  # the executor's units this process took over
+        # Input bytes (Unit.work) before each unit: what is left is a difference, at every
+        # wake-up of a waiting executor (every block put) in O(1).
+        self._work_before = np.concatenate([[0], np.cumsum([u.work for u in units])])
         self._local_bytes = 0  # input bytes of the units the local thread made
         self._local_since: float | None = None  # when it claimed its first
         self.startup_s = float(getattr(executor, "startup_s", EXECUTOR_STARTUP_S))
@@ -142,7 +145,7 @@ class HeadStart:
             self._local_since = self._local_since or time.monotonic()
             blocks = list(self.local([self.units[i]], self.stream, self.tok_cfg))
             self.first_local_at = self.first_local_at or time.monotonic()
-            self._local_bytes += _unit_bytes(self.units[i])
+            self._local_bytes += self.units[i].work
             self._put(i, blocks, "here")
 
     def _local_finishes_first(self) -> bool:
@@ -151,7 +154,7 @@ class HeadStart:
         if not self._local_bytes or self._local_since is None:
             return False  # no pace yet: start the executor
         rate = self._local_bytes / max(time.monotonic() - self._local_since, 1e-6)
-        left = sum(_unit_bytes(self.units[i]) for i in range(self._front, self._back))
+        left = int(self._work_before[self._back] - self._work_before[self._front])
         return left / rate < self.startup_s
 
     def _run_executor(self) -> None:
@@ -263,10 +266,6 @@ class HeadStart:
                     close()
         for t in self._threads:
             t.join(timeout=60)
-
-
-def _unit_bytes(unit) -> int:
-    return sum(max(p.nbytes, 1) for p in unit.pieces)
 
 
 def _tokens(table) -> int:

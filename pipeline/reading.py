@@ -65,6 +65,11 @@ class Unit:
     def to_json(self) -> str:
         return json.dumps({"index": self.index, "pieces": [p.to_json() for p in self.pieces]})
 
+    @property
+    def work(self) -> int:
+        """Its pieces' weight (Piece.work): what `group_units` sizes it by."""
+        return sum(p.work for p in self.pieces)
+
     @staticmethod
     def from_json(s: str) -> Unit:
         d = json.loads(s)
@@ -79,7 +84,7 @@ def group_units(pieces: Iterable[Piece], block_bytes: int, first_block_bytes: in
     target = min(first_block_bytes, block_bytes)
     for p in pieces:
         current.append(p)
-        size += max(p.nbytes, 1)
+        size += p.work
         if size >= target:
             units.append(Unit(len(units), tuple(current)))
             current, size = [], 0

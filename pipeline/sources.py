@@ -145,6 +145,12 @@ class Piece:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @property
+    def work(self) -> int:
+        """Its weight in grouping and pacing: `nbytes`, at least 1 (an empty piece is still
+        a read)."""
+        return max(self.nbytes, 1)
+
 
 class PieceError(Exception):
     """A problem with a whole piece (unreadable file, corrupt footer, missing column): one
