@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smoke test (40 steps)")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--config", default=None, help="a tokenmill config (default: demo corpus)")
-    ap.add_argument("--steps", type=int, default=None, help="global steps (default 40 / 600)")
+    ap.add_argument("--steps", type=int, default=None, help="global steps (default 40 / 1000)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--global-batch-size", type=int, default=32)
     ap.add_argument(
@@ -419,7 +419,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--threads", action="store_true", help="ranks as threads of this process")
     args = ap.parse_args(argv)
-    steps = args.steps or (40 if args.quick else 600)
+    steps = args.steps or (40 if args.quick else 1000)
     if steps < 12:
         ap.error("--steps must be at least 12")
 
