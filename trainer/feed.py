@@ -13,10 +13,11 @@ waits on other ranks or on a pause, a rank waits as long as the service is alive
 `FeedError` when the service is gone or stopped (within seconds), failed, or does not produce
 the step within `timeout_s` although nothing holds it back.
 
-A batch arrives as an Arrow record batch in the compact layout (pipeline/exports.py: no
-column that `input_ids` and `seq_lens` determine), inside the answer to the rank's call; the
-rank derives `labels`, `position_ids` and `segment_ids` and copies each column once, into
-int64 torch tensors.
+Batches arrive in the compact layout (pipeline/exports.py: no column that `input_ids` and
+`seq_lens` determine), up to 32 steps in the answer to one call, as runs: one Arrow record
+batch holding this rank's rows of consecutive steps (protocol.StepReply). The rank derives
+`labels`, `position_ids` and `segment_ids` straight into int64 and copies each stored column
+once, a few steps per pass (`to_torch_steps`).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ class FeedError(RuntimeError):
     """The service is gone, stopped, failed, or does not answer."""
 
 
-# Tokens decoded in one pass (a few steps): what one pass allocates, and touches, stays in the
-# cache and in memory the allocator reuses. A whole 32-step run at once made ~14 MB of fresh
-# memory per answer, faulted in page by page: with 8 ranks on 2 cores, ~6x the CPU per step.
+# Tokens decoded in one pass (a few steps; a larger step is one pass). A whole 32-step run at
+# once allocated ~14 MB per answer, all alive until its last step was consumed; a pass keeps
+# ~2 MB alive, and still spreads numpy's per-call cost (~180 us per step of 4 x 2048 tokens
+# decoded alone, ~50 us in a pass) over several steps.
 DECODE_TOKENS = 1 << 16
 
 
