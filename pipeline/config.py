@@ -202,6 +202,11 @@ class ServiceConfig(_Frozen):
     # Custom Ray resources the batch-server actor asks for, to place it on a chosen node
     # (e.g. {"tokenmill_service": 0.01} with `ray start --resources '{"tokenmill_service": 1}'`).
     resources: dict[str, float] = Field(default_factory=dict)
+    # Global steps the server may make ahead of the slowest rank. None: 32, fewer when 32
+    # steps would hold more than 256 MB of token ids, never fewer than 8 (server.py,
+    # prefetch_window). A rank takes up to this many in one call; a mixture change lands at
+    # most this many steps after the ranks' position.
+    prefetch: int | None = Field(default=None, ge=1, le=4096)
 
 
 class Config(_Frozen):

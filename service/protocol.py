@@ -38,7 +38,7 @@ CONTROL_GROUP = "control"
 CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16}
 POLL_S = 2.0
 # A rank asks for up to this many steps per call (trainer.feed.Feed), and the server's window
-# holds up to this many by default (service.serve.default_prefetch): a rank's cost, and the
+# holds up to this many by default (service.serve.prefetch_window): a rank's cost, and the
 # server's, is mostly per call, and 32 steps cost ~1/3 of 8 per step (bench/serve_ranks.py).
 LOOKAHEAD = 32
 # An answer holds at most this many bytes of token ids (at least one step): what the rank

@@ -55,10 +55,12 @@ class _Default(enum.Enum):
 _DEFAULT = _Default.TOKEN
 
 
-def default_prefetch(cfg: Config) -> int:
-    """The window's default length in global steps: LOOKAHEAD, so that a hungry rank can take
-    that many in one call, unless the window would then hold more than WINDOW_BYTES of token
-    ids (a step of G x L int32), and never fewer than 8."""
+def prefetch_window(cfg: Config) -> int:
+    """The window's length in global steps: `service.prefetch`, else LOOKAHEAD, so that a
+    hungry rank can take that many in one call, unless the window would then hold more than
+    WINDOW_BYTES of token ids (a step of G x L int32), and never fewer than 8."""
+    if cfg.service.prefetch is not None:
+        return cfg.service.prefetch
     step_bytes = cfg.global_batch_size * cfg.seq_len * 4
     return max(8, min(LOOKAHEAD, WINDOW_BYTES // step_bytes))
 
@@ -74,7 +76,7 @@ class BatchServer:
         allow_config_change: bool = False,
     ):
         self.cfg = Config.model_validate(cfg_json)
-        self.prefetch = max(1, prefetch or default_prefetch(self.cfg))
+        self.prefetch = max(1, prefetch or prefetch_window(self.cfg))
         self.keep_states = keep_states
         self.rank_timeout_s = (
             self.cfg.service.rank_timeout_s if rank_timeout_s is _DEFAULT else rank_timeout_s

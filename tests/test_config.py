@@ -116,3 +116,28 @@ def test_a_relative_tokenizer_path_resolves_next_to_the_config(tmp_path, monkeyp
     data["tokenizer"]["name"] = "org/model"
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
     assert load_config(tmp_path / "c.yaml").tokenizer.name == "org/model"
+
+
+@pytest.mark.parametrize(
+    "seq_len, batch, service, window",
+    [
+        (2048, 32, {}, 32),  # 256 KB a step: LOOKAHEAD steps
+        (8192, 512, {}, 16),  # 16 MB a step: 256 MB of ids
+        (8192, 1024, {}, 8),  # 32 MB a step: never fewer than 8
+        (2048, 32, {"prefetch": 4}, 4),  # the config's own
+    ],
+)
+def test_the_service_window(tmp_path, seq_len, batch, service, window):
+    """How many steps the batch server may make ahead of the slowest rank (the window a
+    rank's answer of up to 32 steps is taken from)."""
+    from service.server import prefetch_window
+
+    cfg = parse_config(_cfg(tmp_path, seq_len=seq_len, global_batch_size=batch, service=service))
+    assert prefetch_window(cfg) == window
+    assert cfg.config_hash() == parse_config(_cfg(tmp_path, seq_len=seq_len,
+                                                  global_batch_size=batch)).config_hash()  # fmt: skip
+
+
+def test_a_service_window_below_one_step_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="prefetch"):
+        parse_config(_cfg(tmp_path, service={"prefetch": 0}))
