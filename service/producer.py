@@ -54,8 +54,7 @@ class Producer:
         """Stop producing and stop the feed's reads; safe to call more than once."""
         with self.cond:
             self._stop = True
-            self.cond.notify_all()
-            self.on_change()
+            self._changed()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout_s)
         self.feed.close()
@@ -63,8 +62,12 @@ class Producer:
     def set_paused(self, paused: bool) -> None:
         with self.cond:
             self.paused = paused
-            self.cond.notify_all()
-            self.on_change()
+            self._changed()
+
+    def _changed(self) -> None:
+        """A stop, pause, end or error (under the lock): wake every waiter."""
+        self.cond.notify_all()
+        self.on_change()
 
     @property
     def ended(self) -> bool:
@@ -90,8 +93,7 @@ class Producer:
                         return
                     if batch is None:
                         self.state = FINISHED
-                        self.cond.notify_all()
-                        self.on_change()
+                        self._changed()
                         return
                     self.window.add(self.feed.step - 1, batch)
                     self.states[self.feed.step] = self.feed.get_state()
@@ -104,5 +106,4 @@ class Producer:
                 self.busy = False
                 self.state = FAILED
                 self.error = f"{type(e).__name__}: {e}"
-                self.cond.notify_all()
-                self.on_change()
+                self._changed()

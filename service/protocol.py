@@ -38,7 +38,7 @@ CONTROL_GROUP = "control"
 CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16}
 POLL_S = 2.0
 # A rank asks for up to this many steps per call (trainer.feed.Feed), and the server's window
-# holds up to this many by default (service.serve.prefetch_window): a rank's cost, and the
+# holds up to this many by default (service.server.prefetch_window): a rank's cost, and the
 # server's, is mostly per call, and 32 steps cost ~1/3 of 8 per step (bench/serve_ranks.py).
 LOOKAHEAD = 32
 # An answer holds at most this many bytes of token ids (at least one step): what the rank
@@ -73,8 +73,8 @@ class StepReply:
     rows of `counts[i]` consecutive steps one after the other (META_STEP_ROWS says how many
     rows each; `pipeline.arrays.from_ipc`, then `trainer.feed.to_torch_steps`). Steps of one
     schema share a run (a step has `labels` only when a segment masks tokens), so a rank
-    decodes each run in one pass, not each step: ~30% of a rank's CPU per step went to
-    per-step numpy calls on 4 x 2048 tokens. `end`: the data has ended. `wait`: not produced
+    decodes a few steps per pass, not each step alone (numpy's per-call cost: ~180 us per
+    step of 4 x 2048 tokens alone, ~50 us in a pass). `end`: the data has ended. `wait`: not produced
     yet; `reason` says why (`producing`, `paused`, or the ranks it waits for).
 
     Why in the reply and not as an ObjectRef (`ray.put` in the server, `ray.get` in the rank,

@@ -135,6 +135,10 @@ class BatchServer:
         if self._linger_for and self.window.produced >= min(self._linger_for.values()):
             self._lingering.notify_all()
 
+    def _wake_all(self) -> None:  # under the lock: every waiting rank, lingering or not
+        self._cond.notify_all()
+        self._lingering.notify_all()
+
     def _sample(self, force: bool) -> None:
         if not self.telemetry.due(force):  # every step calls; one a second is kept
             return
@@ -275,8 +279,7 @@ class BatchServer:
             with self._cond:
                 self._install(feed)
                 self._seeked = state
-                self._cond.notify_all()
-                self._lingering.notify_all()
+                self._wake_all()
             return step
 
     # -- control (concurrency group `control`) ------------------------------------------------
@@ -313,8 +316,7 @@ class BatchServer:
         """`tokenmill stop`: ranks get `end`, and the owning `serve` drains and exits."""
         with self._cond:
             self._stop_requested = True
-            self._cond.notify_all()
-            self._lingering.notify_all()
+            self._wake_all()
         return STOPPING
 
     def drain_rejects(self) -> list[dict]:
