@@ -15,7 +15,7 @@ capped at 512 MiB), over one config (default: the demo corpus's pretraining stre
    for the same N steps (the same global sequence the export wrote);
 4. export again, the same N steps: the export's rates are the mean of 2 and 4, so that the
    serving sits between its two measures (this VM's speed drifts 20-30% within a minute:
-   with one export before, the ratio of one commit ranged 0.77-1.17 over five runs).
+   with one export before, two runs of one commit gave ratios of 1.17 and 0.77).
 
 Rates, each defined the same way for both: real tokens (sum of seq_lens) of the steps after
 step k over the time from step k done to the last step done. The export reports progress
@@ -315,12 +315,17 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
+def _mid_report(reports: list[tuple[float, int, int]], steps: int) -> tuple[float, int, int]:
+    """The progress report that opens an export's steady window: the one nearest step N/2."""
+    return min(reports[:-1], key=lambda r: abs(r[1] - steps // 2))
+
+
 def _export_rates(reports: list[tuple[float, int, int]], t_start: float, steps: int) -> dict:
     """An export's rates, {label: (tokens/s, after step)}, from its progress reports (time,
     steps written, real tokens): "steady" after the report nearest step N/2, "first_step"
     after the first report, "from_start" from the export's call."""
     t_end, tok_end = reports[-1][0], reports[-1][2]
-    mid = min(reports[:-1], key=lambda r: abs(r[1] - steps // 2))
+    mid = _mid_report(reports, steps)
     out = {
         label: ((tok_end - tok_a) / (t_end - t_a), written - 1)
         for label, (t_a, written, tok_a) in {"steady": mid, "first_step": reports[0]}.items()
@@ -511,7 +516,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
     cum = [sum(tokens[: s + 1]) for s in range(steps)]
     t_end = reports[-1][0]
     # Windows open after export step `after` (the last step of one of its progress reports).
-    mid = min(reports[:-1], key=lambda r: abs(r[1] - steps // 2))
+    mid = _mid_report(reports, steps)
     exports = [_export_rates(reports, t_export, steps), _export_rates(again, t_again, steps)]
     rates = {}
     for label in ("steady", "first_step"):
