@@ -1,4 +1,5 @@
-"""The `tokenmill` command line (SPEC §3.1). Also `python -m service` for `ray job submit`."""
+"""The `tokenmill` command line: check, stats and export a config's data, serve it to trainer
+ranks, and watch or stop a running service. Also `python -m service`, for `ray job submit`."""
 
 from __future__ import annotations
 
@@ -98,6 +99,20 @@ def _executor(args, ready) -> Executor | None:
     return None
 
 
+def _quiet_thread_init() -> None:
+    """Drop Ray's "SIGTERM handler is not set because current thread is not the main thread".
+
+    `ray.init` says so whenever it runs off the main thread, as the export's background
+    connect does (service/cluster.py `connect_in_background`). Nothing is lost: without Ray's
+    handler SIGTERM ends the export at once, as it would any process, and an embedded Ray's
+    processes go with it (they die with their parent, see `entry`)."""
+    import logging
+
+    logging.getLogger("ray._private.worker").addFilter(
+        lambda record: "SIGTERM handler is not set" not in record.getMessage()
+    )
+
+
 def cmd_export(args) -> int:
     from service.export import run_export
 
@@ -105,6 +120,7 @@ def cmd_export(args) -> int:
     if not args.local:  # Ray starts (or is joined) while the config loads and the feed starts
         from service.cluster import connect_in_background
 
+        _quiet_thread_init()
         ready = connect_in_background(args.address)
     cfg = load_config(args.config)
     resume = _read_state(args.resume)
@@ -120,16 +136,15 @@ def cmd_export(args) -> int:
     if ready is not None and _needs_ray(ready, args.address, report):
         ready.result()  # a connect that failed after a head start still fails the run
     _print_summary(summary, report)
-    print(
-        f"wrote {args.out}/ (summary.json, rejects.jsonl: {report.rejects_written} skipped records)"
-    )
-    empty = undelivered_streams(summary, f"{args.out}/rejects.jsonl")
+    out = Path(args.out)  # "out/" and "out" alike
+    print(f"wrote {out}/ (summary.json, rejects.jsonl: {report.rejects_written} skipped records)")
+    empty = undelivered_streams(summary, str(out / "rejects.jsonl"))
     for name, why in empty.items():
         print(f"error: stream {name!r} delivered nothing: {why}", file=sys.stderr)
     if not report.steps_written:  # every record rejected or dropped, or no data at all
         print(
             f"error: the export delivered nothing: {report.rejects_written} skipped "
-            f"records (see {args.out}/rejects.jsonl), 0 steps",
+            f"records (see {out / 'rejects.jsonl'}), 0 steps",
             file=sys.stderr,
         )
         return 1

@@ -1,7 +1,7 @@
-"""`tokenmill export`: write the batches exactly as they would be served (SPEC M12).
+"""`tokenmill export`: write the batches exactly as they would be served.
 
 One file per global step and rank, ``DIR/step-00000012-rank-0.parquet`` (or ``.arrow``), in the
-batch schema of SPEC §3.2; ``DIR/rejects.jsonl`` lists every skipped record; and
+batch schema (pipeline/schema.py); ``DIR/rejects.jsonl`` lists every skipped record; and
 ``DIR/summary.json`` holds the run's figures. Tokenization runs in Ray Data tasks; the feed
 (mixing, packing, batch assembly) runs here, in the driver, beside the writer: its reads run
 ahead on background threads, so writing a step overlaps tokenizing the next ones. (It used to

@@ -130,3 +130,11 @@ def test_bench_without_a_checkout_says_where_to_run_it(tmp_path, monkeypatch, ca
     assert main(["bench"]) == 2
     err = capsys.readouterr().err
     assert "source checkout (bench/)" in err and "./dev bench" in err
+
+
+def test_help_names_nothing_users_do_not_have():
+    """Help texts refer to no internal document ("SPEC §3.1"): users have only the docs."""
+    texts = [build_parser().format_help()]
+    texts += [sub.format_help() for sub in _subparsers(build_parser()).values()]
+    for text in texts:
+        assert "SPEC" not in text and "§" not in text, text

@@ -289,10 +289,13 @@ def test_cli_export_exits_at_once_and_leaves_no_ray_process(tmp_path):
     try:
         r = subprocess.run(
             [sys.executable, "-m", "service", "export", "--config", str(tmp_path / "c.yaml"),
-             "--out", str(tmp_path / "o")],
+             "--out", f"{tmp_path / 'o'}/"],
             env=env | {"RAY_TMPDIR": temp}, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
+        # Neither Ray's note on its connect thread's signals nor a doubled slash (issue 30).
+        assert "SIGTERM handler" not in r.stdout + r.stderr, r.stderr[-3000:]
+        assert f"wrote {tmp_path / 'o'}/ (" in r.stdout and "//" not in r.stdout, r.stdout
         assert json.loads((tmp_path / "o" / "summary.json").read_text())["steps_written"] > 0
         deadline = time.time() + 10
         while (left := _processes_mentioning(temp)) and time.time() < deadline:
