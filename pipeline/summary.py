@@ -85,6 +85,63 @@ class Phases:
 
 
 @dataclass(frozen=True)
+class RunTotals:
+    """Counts a feed has reached: steps, rows, real tokens, and per stream the tokens placed,
+    documents started and bad records skipped. A resumed feed starts from its state's counts,
+    so one run's own share is the difference of two readings (`since`)."""
+
+    steps: int
+    rows: int
+    real_tokens: int
+    seq_len: int
+    streams: dict[str, dict[str, int]]  # name -> {"tokens", "docs", "skipped"}
+
+    @property
+    def packing_efficiency(self) -> float:
+        return self.real_tokens / (self.rows * self.seq_len) if self.rows else 0.0
+
+    def since(self, start: RunTotals) -> RunTotals:
+        """What was added after `start` (an earlier reading of the same feed)."""
+        return RunTotals(
+            self.steps - start.steps,
+            self.rows - start.rows,
+            self.real_tokens - start.real_tokens,
+            self.seq_len,
+            {
+                name: {k: v - start.streams.get(name, {}).get(k, 0) for k, v in st.items()}
+                for name, st in self.streams.items()
+            },  # fmt: skip
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "rows": self.rows,
+            "real_tokens": self.real_tokens,
+            "packing_efficiency": self.packing_efficiency,
+            "streams": self.streams,
+        }
+
+
+def run_totals(feed) -> RunTotals:
+    """The feed's counts as of now (since step 0, across resumes)."""
+    return RunTotals(
+        steps=feed.step,
+        rows=feed.rows,
+        real_tokens=feed.real_tokens,
+        seq_len=feed.cfg.seq_len,
+        streams={
+            name: {
+                "tokens": int(feed.mixer.placed[i]),
+                "docs": int(feed.docs_emitted[i]),
+                "skipped": s.counters.skipped,
+            }  # fmt: skip
+            for i, (name, s) in enumerate(zip(feed.names, feed.streams, strict=True))
+        },
+    )
+
+
+@dataclass(frozen=True)
 class ExportReport:
     """What an export adds to its feed's summary: its files and its clock (service/export.py
     `_timings` defines each figure). In the JSON its fields sit at the top level, and its
@@ -104,6 +161,11 @@ class ExportReport:
     tokens_per_s: float
     steady_tokens_per_s: float
     phases: Phases
+    # A resumed export continues a run at this step (None: it began at step 0). The summary's
+    # other counts (steps, rows, real_tokens, streams) are the run's since step 0, as its
+    # state carries them; `this_run` is what this export itself wrote.
+    resumed_from_step: int | None
+    this_run: RunTotals
 
 
 @dataclass(frozen=True)
@@ -141,7 +203,10 @@ class RunSummary:
         del out["first_reads"]  # clock readings; an export reports them as `phases`
         out["skipped"] = self.skipped
         export = out.pop("export")
-        return out if export is None else out | export
+        if export is None:
+            return out
+        assert self.export is not None
+        return out | export | {"this_run": self.export.this_run.as_dict()}
 
 
 def summarize(feed) -> RunSummary:

@@ -38,8 +38,24 @@ def _progress(every_s: float = 5.0):
 
 
 def _print_summary(s: RunSummary, x: ExportReport) -> None:
-    print(f"steps            {x.steps_written}  (rows {s.rows}, seq_len {s.seq_len})")
-    print(f"tokens           {s.real_tokens:,}")
+    """The export's figures. A resumed export's state carries the run's counts since step 0:
+    every count is then shown twice, labelled, "this run" (what this export wrote) and "since
+    step 0" (the run so far); rates and times are this run's."""
+    run = x.this_run
+    if x.resumed_from_step is None:
+        print(f"steps            {run.steps}  (rows {run.rows}, seq_len {s.seq_len})")
+        print(f"tokens           {run.real_tokens:,}")
+    else:
+        first, last = x.resumed_from_step, x.resumed_from_step + run.steps - 1
+        span = f"steps {first}-{last}" if run.steps else "no step"
+        print(
+            f"resumed          at step {first}: 'this run' is this export, 'since step 0' the run"
+        )
+        print(
+            f"steps            {run.steps} this run ({span}), {s.steps} since step 0  "
+            f"(rows {run.rows} this run, {s.rows} since step 0, seq_len {s.seq_len})"
+        )
+        print(f"tokens           {run.real_tokens:,} this run, {s.real_tokens:,} since step 0")
     ttfs = x.time_to_first_step_s
     print(
         f"wall             {x.wall_s:.1f}s from process start "
@@ -51,7 +67,10 @@ def _print_summary(s: RunSummary, x: ExportReport) -> None:
         f"tokens/s         {x.tokens_per_s:,.0f} end to end; "
         f"{x.steady_tokens_per_s:,.0f} steady (feed start to last step)"
     )
-    print(f"packing          {100 * s.packing_efficiency:.2f}% real tokens")
+    packing = f"{100 * run.packing_efficiency:.2f}% real tokens"
+    if x.resumed_from_step is not None:
+        packing += f" this run, {100 * s.packing_efficiency:.2f}% since step 0"
+    print(f"packing          {packing}")
     ph = x.phases
     marks = {"ray up": ph.ray_connected, "feed started": ph.feed_started,
              "first block (head start)": ph.first_block_in_process,
@@ -71,13 +90,21 @@ def _print_summary(s: RunSummary, x: ExportReport) -> None:
             )
             + " of tokens read"
         )
+    resumed = x.resumed_from_step is not None
+    if resumed:
+        print("per stream: tokens, docs and skipped this run; 'since 0' and the rest: the run")
+    since = f"{'since 0':>14}" if resumed else ""
     print(
-        f"{'stream':<12}{'target':>8}{'realized':>10}{'tokens':>14}{'docs':>9}{'skipped':>9}{'split':>7}{'trunc':>7}{'drop':>6}"
+        f"{'stream':<12}{'target':>8}{'realized':>10}{'tokens':>14}{since}{'docs':>9}"
+        f"{'skipped':>9}{'split':>7}{'trunc':>7}{'drop':>6}"
     )
     for name, st in s.streams.items():
+        mine = run.streams[name]
+        since = f"{st.tokens:>14,}" if resumed else ""
         print(
-            f"{name:<12}{st.target_share:>8.3f}{st.realized_share:>10.3f}{st.tokens:>14,}"
-            f"{st.docs:>9,}{st.skipped:>9,}{st.split:>7,}{st.truncated:>7,}{st.dropped:>6,}"
+            f"{name:<12}{st.target_share:>8.3f}{st.realized_share:>10.3f}{mine['tokens']:>14,}"
+            f"{since}{mine['docs']:>9,}{mine['skipped']:>9,}{st.split:>7,}{st.truncated:>7,}"
+            f"{st.dropped:>6,}"
         )
     for line in s.exhausted:
         print(f"note: {line}")

@@ -29,7 +29,14 @@ from pipeline.exports import LAYOUTS, compact
 from pipeline.feed import Feed, next_steps, rank_slice
 from pipeline.reading import Executor, iter_blocks_local, ray_executor, with_head_start
 from pipeline.states import check_state
-from pipeline.summary import ExportReport, FirstReads, Phases, RunSummary, summarize
+from pipeline.summary import (
+    ExportReport,
+    FirstReads,
+    Phases,
+    RunSummary,
+    run_totals,
+    summarize,
+)
 
 STEPS_PER_CALL = 4
 
@@ -216,6 +223,7 @@ def run_export(
     try:
         feed = Feed(cfg, executor, first, state=resume, allow_config_change=allow_config_change)
         feed.full_batches = layout == "full" or fmt == "mds"  # compact: nothing derivable
+        at_start = run_totals(feed)  # a resumed feed's counts start at its state's
         feed_started = time.monotonic()
         while steps is None or files.written < steps:
             want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
@@ -228,6 +236,7 @@ def run_export(
             if len(batches) < want:
                 break
         summary = summarize(feed)
+        this_run = run_totals(feed).since(at_start)
     finally:
         files.close()
         if feed is not None:
@@ -242,6 +251,8 @@ def run_export(
         rejects_file=str(files.rejects_path),
         rejects_written=files.rejects_written,
         **clock,
+        resumed_from_step=None if resume is None else at_start.steps,
+        this_run=this_run,
     )
     summary = replace(summary, export=report)
     (out / "summary.json").write_text(

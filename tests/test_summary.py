@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pyarrow.parquet as pq
+
 from pipeline.reading import iter_blocks_local
 from pipeline.summary import StreamSummary, stream_gauges
 from service.api import prometheus_text
@@ -18,6 +20,7 @@ TOP = {
     "rejects_written", "rows", "seq_len", "skipped", "startup_s", "steady_tokens_per_s", "steps",
     "steps_written", "streams", "time_to_first_block_s", "time_to_first_step_s",
     "tokenizer_backend", "tokenizer_guarantees", "tokens_per_s", "wall_s", "world_size",
+    "resumed_from_step", "this_run",
 }  # fmt: skip
 PHASES = {
     "imports_and_config", "ray_connected", "feed_started", "first_block_in_process",
@@ -65,3 +68,35 @@ def test_prometheus_stream_gauges_are_the_declared_fields():
     assert 'tokenmill_stream_tokens{stream="web"} 7.0' in text
     assert 'tokenmill_stream_realized_share{stream="web"} 0.25' in text
     assert "tokenmill_stream_docs_read" not in text  # not declared a gauge
+
+
+def test_a_resumed_export_reports_its_own_totals_beside_the_runs(tmp_path, capsys):
+    """Its state carries the run's counts since step 0; the summary labels both (issue 30)."""
+    import yaml
+
+    from service.cli import main
+
+    _corpus(tmp_path)
+    cfg = _config(tmp_path)
+    straight = run_export(cfg, tmp_path / "s", steps=5, state_every=3, executor=iter_blocks_local)
+    assert straight.export.resumed_from_step is None
+    assert straight.export.this_run.as_dict()["steps"] == 5 == straight.steps
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    out = tmp_path / "r"
+    assert main(["export", "--config", str(tmp_path / "c.yaml"), "--out", str(out), "--steps", "2",
+                 "--resume", str(tmp_path / "s" / "state-00000003.json"), "--local"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    s = json.loads((out / "summary.json").read_text())
+    run = s["this_run"]
+    assert s["resumed_from_step"] == 3 and s["steps_written"] == 2
+    assert s["steps"] == 5 and run["steps"] == 2  # the run so far, and this export's part
+    assert s["real_tokens"] == straight.real_tokens  # the same 5 steps as the straight run
+    written = sum(int(pq.read_table(p).column("seq_lens").combine_chunks().flatten().to_numpy().sum())
+                  for p in out.glob("step-*.parquet"))  # fmt: skip
+    assert run["real_tokens"] == written < s["real_tokens"]
+    assert run["rows"] == 2 * 8 and s["rows"] == 5 * 8
+    for name, st in s["streams"].items():
+        assert 0 < run["streams"][name]["tokens"] < st["tokens"], name
+    assert sum(st["tokens"] for st in run["streams"].values()) == written
+    assert "2 this run (steps 3-4), 5 since step 0" in printed
+    assert f"{written:,} this run, {straight.real_tokens:,} since step 0" in printed
