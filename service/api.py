@@ -1,8 +1,10 @@
-"""The control plane (SPEC §3.3): FastAPI over the batch server.
+"""The control plane: an HTTP API over the batch server.
 
-Mutations need `Authorization: Bearer <token>`, the token coming from $TOKENMILL_API_TOKEN or
-the file named by $TOKENMILL_API_TOKEN_FILE, never from the config or the logs. With no token
-configured, mutations are refused. Every invalid input gets a 4xx that says what is wrong.
+Reads (`GET`) are open; mutations (`PUT /v1/mixture`, `POST /v1/pause`, `POST /v1/resume`)
+need `Authorization: Bearer <token>` (in `/docs`: **Authorize**, then "Try it out"). The
+service takes the token from $TOKENMILL_API_TOKEN or the file named by
+$TOKENMILL_API_TOKEN_FILE, never from the config or the logs; with no token set, mutations
+are refused. Every invalid input gets a 4xx that says what is wrong.
 
 `PUT /v1/mixture` replaces the whole mixture: its `weights` must name every stream of the
 config, each with a finite weight >= 0 (not all zero; 0 turns a stream off). A body that
@@ -20,13 +22,15 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 
@@ -43,6 +47,20 @@ PUT_MIXTURE_DOC = """Replace the mixture weights, from the returned `effective_s
 weight >= 0, not all zero; weights are normalized, and 0 turns a stream off. A subset is
 rejected with a 400 that names the missing streams (it is not merged with the current
 weights); an unknown stream is a 400 too. Needs `Authorization: Bearer <token>`."""
+
+STATE_AUTH = (
+    "none: read-only, like every GET here. A state holds positions, counters and mixture "
+    "weights (the figures /v1/metrics shows), never tokens, text or secrets; resuming from one "
+    "takes a rank inside the Ray cluster, not this API; mutations need the token"
+)
+STATE_DOC = f"""The resume state after global step `step` (default: the newest held): small JSON that
+a trainer saves beside its checkpoint and hands back on resume (`Feed.connect(..., state=...)`,
+`tokenmill export --resume`). A step no longer held is a 404.
+
+**Not authenticated**, on purpose; every answer says so in its `{{auth}}` header. Why:
+{STATE_AUTH}."""
+STATE_AUTH_HEADER = "X-Tokenmill-Auth"
+STATE_DOC = STATE_DOC.replace("{auth}", STATE_AUTH_HEADER)
 
 
 class Backend:
@@ -137,6 +155,17 @@ async def _reply(send, status: int, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+# The mutating routes declare an HTTP bearer scheme, so that /docs offers "Authorize" and its
+# "Try it out" sends the token (Swagger UI never sends an `Authorization` header parameter).
+# GuardMutations has checked the token before; `require_token` checks it the same way.
+BEARER = HTTPBearer(
+    auto_error=False,
+    scheme_name="bearer",
+    description="The service's API token ($TOKENMILL_API_TOKEN); mutations need it.",
+)
+BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
+
+
 class MixtureUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     weights: dict[str, StrictFloat | StrictInt]
@@ -162,8 +191,8 @@ def create_app(backend: Backend) -> FastAPI:
     app.mount(SWAGGER_STATIC, StaticFiles(directory=_swagger_assets()), name="swagger-static")
     app.add_middleware(GuardMutations)
 
-    def require_token(authorization: str | None = Header(default=None)) -> None:
-        refusal = token_refusal(authorization)
+    def require_token(request: Request, _: BearerCredentials) -> None:
+        refusal = token_refusal(request.headers.get("authorization"))
         if refusal:
             raise HTTPException(*refusal)
 
@@ -185,7 +214,10 @@ def create_app(backend: Backend) -> FastAPI:
 
     @app.get("/v1/metrics")
     def metrics() -> dict:
-        return backend.call("metrics")
+        m = backend.call("metrics")
+        if isinstance(m, dict):  # one clock for the live page's charts (and the server's samples)
+            m.setdefault("server_time", time.time())
+        return m
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> str:
@@ -233,22 +265,49 @@ def create_app(backend: Backend) -> FastAPI:
             raise
         return {"effective_step": step}
 
-    @app.post("/v1/pause", dependencies=[Depends(require_token)])
+    @app.post(
+        "/v1/pause",
+        dependencies=[Depends(require_token)],
+        summary="Pause the producer",
+        description="Ranks keep the steps already made; no new step is made until "
+        "`POST /v1/resume`. Needs `Authorization: Bearer <token>`.",
+    )
     def pause() -> dict:
         return {"state": backend.call("pause")}
 
-    @app.post("/v1/resume", dependencies=[Depends(require_token)])
+    @app.post(
+        "/v1/resume",
+        dependencies=[Depends(require_token)],
+        summary="Resume the producer",
+        description="Undoes `POST /v1/pause`. Needs `Authorization: Bearer <token>`.",
+    )
     def resume() -> dict:
         return {"state": backend.call("resume")}
 
-    @app.get("/v1/state")
-    def state(step: int | None = Query(default=None, ge=0, le=2**62)) -> Any:
+    @app.get(
+        "/v1/state",
+        summary="A resume state (not authenticated: read-only)",
+        description=STATE_DOC,
+        responses={
+            200: {
+                "description": "The state (sealed JSON: version, config_hash, step, digest, ...)",
+                "headers": {
+                    STATE_AUTH_HEADER: {
+                        "description": "Says this route is not authenticated, and why",
+                        "schema": {"type": "string"},
+                    }
+                },
+            }
+        },
+    )
+    def state(response: Response, step: int | None = Query(default=None, ge=0, le=2**62)) -> Any:
+        response.headers[STATE_AUTH_HEADER] = STATE_AUTH
         try:
             return backend.call("state", step)
         except Exception as e:
             e = _unwrap(e)
             if isinstance(e, LookupError):
-                raise HTTPException(404, str(e)) from None
+                raise HTTPException(404, str(e), headers={STATE_AUTH_HEADER: STATE_AUTH}) from None
             raise
 
     @app.get("/", response_class=HTMLResponse)
@@ -326,61 +385,116 @@ def openapi_30(schema: dict) -> dict:
     return {"openapi": "3.0.3", **converted}
 
 
+# Running totals are Prometheus counters (named `..._total`; `rate()` applies to them); a
+# StreamSummary field not listed here stays a gauge. A counter may restart from a lower value
+# when the service restarts or resumes from an earlier state: Prometheus reads that as a reset.
+STREAM_COUNTERS = ("tokens", "docs", "skipped", "split", "truncated", "dropped")
+PRODUCER_STATES = ("starting", "making", "window_full", "paused", "ended", "failed", "stopping")
+
+
 def prometheus_text(m: dict, st: dict) -> str:
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+    """`/metrics`: the batch server's metrics (`m`) and status (`st`) as Prometheus text.
+
+    Running totals (tokens, rows, documents, skipped and rejected records, tokens per
+    tokenizer backend) are counters named `..._total`; levels (rates, shares, lag, the global
+    step, which moves back when ranks resume from an earlier state) are gauges. The
+    producer's state is one gauge per state, 1 for the current one (`tokenmill_producer_state`).
+    Fields a server does not report are left out, never reported as 0."""
+    from prometheus_client import CollectorRegistry, generate_latest
 
     reg = CollectorRegistry()
+    reg.register(_Families(_families(m, st)))
+    return generate_latest(reg).decode()
 
-    def gauge(name, doc, value, labels=None):
-        g = Gauge(f"tokenmill_{name}", doc, list(labels or {}), registry=reg)
-        (g.labels(**labels) if labels else g).set(value)
-        return g
 
-    gauge("tokens_per_second", "Packed real tokens per second (30 s window)", m["tokens_per_s"])
-    gauge("batches_per_second", "Global steps per second (30 s window)", m["batches_per_s"])
-    gauge("global_step", "Global steps produced", m["global_step"])
-    gauge("packing_efficiency", "Real tokens / (rows x seq_len)", m["packing_efficiency"])
+def _families(m: dict, st: dict) -> list:
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    out: list = []
+
+    def family(kind, name, doc, values, label=None):
+        """`values`: a number, or {label value: number} with `label`; non-numbers are left out."""
+        f = kind(f"tokenmill_{name}", doc, labels=[label] if label else None)
+        if label:
+            for key, v in (values if isinstance(values, dict) else {}).items():
+                if (x := _number(v)) is not None:
+                    f.add_metric([str(key)], x)
+        elif (x := _number(values)) is not None:
+            f.add_metric([], x)
+        out.append(f)
+
+    def gauge(name, doc, values, label=None):
+        family(GaugeMetricFamily, name, doc, values, label)
+
+    def counter(name, doc, values, label=None):
+        family(CounterMetricFamily, name, doc, values, label)
+
+    gauge("tokens_per_second", "Packed real tokens per second (30 s window)", m.get("tokens_per_s"))
+    gauge("batches_per_second", "Global steps per second (30 s window)", m.get("batches_per_s"))
+    gauge("global_step", "Global steps produced (moves back on a resume)", m.get("global_step"))
+    gauge("packing_efficiency", "Real tokens / (rows x seq_len)", m.get("packing_efficiency"))
     gauge(
         "data_wait_seconds_last_60s",
         "Data wait reported by trainers, last 60 s",
-        m["data_wait_s_last_60s"],
+        m.get("data_wait_s_last_60s"),
     )
-    gauge("up", "1 while running", 1.0 if st["state"] in ("running", "paused") else 0.0)
+    gauge("up", "1 while running", 1.0 if st.get("state") in ("running", "paused") else 0.0)
+    producer = m.get("producer", st.get("producer"))
+    if isinstance(producer, str):
+        states = PRODUCER_STATES if producer in PRODUCER_STATES else (*PRODUCER_STATES, producer)
+        gauge(
+            "producer_state",
+            "1 for what the producer does now, else 0: starting, making (steps), window_full "
+            "(waiting for the ranks to consume: normal when the trainer is slower than the "
+            "data plane), paused, ended (the data), failed, stopping",
+            {s: float(s == producer) for s in states},
+            "state",
+        )
+    gauge("prefetch_window_steps", "Global steps the producer may run ahead", m.get("prefetch"))
+    gauge("held_steps", "Global steps held for the ranks", m.get("held_steps"))
+    gauge(
+        "lag_normal_max_steps",
+        "Top of a rank's normal lag: the prefetch window plus one fetch",
+        m.get("lag_normal_max"),
+    )
+    counter("tokens", "Packed real tokens produced", m.get("real_tokens"))
+    counter("rows", "Packed rows produced", m.get("rows"))
+    counter("rejects", "Bad records skipped, all streams", m.get("rejects") or 0)
+    streams = m.get("streams")
+    streams = streams if isinstance(streams, dict) else {}
     for key, doc in stream_gauges():  # pipeline/summary.py declares them
-        g = Gauge(f"tokenmill_stream_{key}", doc, ["stream"], registry=reg)
-        for name, s in m["streams"].items():  # StreamSummary.as_dict()s
-            g.labels(stream=name).set(s[key])
-    b = Gauge(
-        "tokenmill_tokenizer_backend_tokens",
+        values = {n: s.get(key) for n, s in streams.items() if isinstance(s, dict)}
+        (counter if key in STREAM_COUNTERS else gauge)(f"stream_{key}", doc, values, "stream")
+    counter(
+        "tokenizer_backend_tokens",
         "Tokens read, by the tokenizer backend that encoded them",
-        ["backend"],
-        registry=reg,
+        m.get("tokenizer_backend"),
+        "backend",
     )
-    for backend, n in m.get("tokenizer_backend", {}).items():
-        b.labels(backend=backend).set(n)
-    q = Gauge(
-        "tokenmill_rank_queue_depth", "Produced steps a rank has not taken", ["rank"], registry=reg
-    )
-    for rank, depth in m["queue_depth"].items():
-        q.labels(rank=rank).set(depth)
+    gauge("rank_queue_depth", "Produced steps a rank has not taken", m.get("queue_depth"), "rank")
+    ranks = m.get("ranks")
+    ranks = {str(k): r for k, r in ranks.items() if isinstance(r, dict)} if isinstance(ranks, dict) else {}  # fmt: skip
     per_rank = {
-        "rank_lag_steps": ("lag", "Produced steps the rank is behind the producer"),
+        "rank_lag_steps": ("lag", "Steps the rank has consumed behind the producer"),
+        "rank_consumed_step": ("consumed_step", "The next step the rank trains on (its report)"),
+        "rank_fetched_step": ("fetched_step", "The first step the rank has not fetched"),
+        "rank_buffered_steps": ("buffered", "Steps the rank has fetched and not consumed"),
+        "rank_last_sign_of_life_seconds": (
+            "last_sign_s_ago",
+            "Seconds since the rank's last call or heartbeat",
+        ),
         "rank_data_wait_seconds_last_60s": (
             "wait_s_last_60s",
             "Data wait reported by the rank, last 60 s",
         ),
-        "rank_lost": ("lost", "1 when the rank has stopped pulling (lost), else 0"),
+        "rank_ended": ("ended", "1 once the rank was told the data has ended, else 0"),
+        "rank_lost": ("lost", "1 when the rank gave no sign of life for rank_timeout_s, else 0"),
     }
-    ranks = m.get("ranks")
-    ranks = ranks if isinstance(ranks, dict) else {}
+    older = {"fetched_step": "next_step", "last_sign_s_ago": "seen_s_ago"}  # earlier names
     for metric, (key, doc) in per_rank.items():
-        g = Gauge(f"tokenmill_{metric}", doc, ["rank"], registry=reg)
-        for rank, r in ranks.items():
-            v = _number(r.get(key) if isinstance(r, dict) else None)
-            if v is not None:
-                g.labels(rank=str(rank)).set(v)
-    reg.register(_Rejects(_number(m.get("rejects", 0)) or 0.0))
-    return generate_latest(reg).decode()
+        values = {k: r.get(key, r.get(older.get(key, key))) for k, r in ranks.items()}
+        gauge(metric, doc, values, "rank")
+    return out
 
 
 def _number(v: Any) -> float | None:
@@ -392,15 +506,11 @@ def _number(v: Any) -> float | None:
     return None
 
 
-class _Rejects:
-    """`tokenmill_rejects_total`, a counter of the skipped (bad) records."""
+class _Families:
+    """A collector of ready metric families (one scrape's worth)."""
 
-    def __init__(self, value: float):
-        self.value = value
+    def __init__(self, families: list):
+        self.families = families
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
-
-        yield CounterMetricFamily(
-            "tokenmill_rejects", "Bad records skipped, all streams", value=self.value
-        )
+        yield from self.families

@@ -1,4 +1,4 @@
-"""The control API (SPEC §3.3) over a real batch server, through FastAPI's TestClient."""
+"""The control API over a real batch server, through FastAPI's TestClient."""
 
 import re
 import time
@@ -64,7 +64,7 @@ def test_read_routes(client):
     assert (
         "tokenmill_tokens_per_second" in text
         and 'tokenmill_stream_realized_share{stream="web"}' in text
-        and 'tokenmill_tokenizer_backend_tokens{backend="fastokens"}' in text
+        and 'tokenmill_tokenizer_backend_tokens_total{backend="fastokens"}' in text
         and "tokenmill_rejects_total" in text
     )
     mix = client.get("/v1/mixture").json()
