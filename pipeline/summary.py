@@ -9,7 +9,6 @@ new per-stream figure is one field here.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 
@@ -289,7 +288,6 @@ def describe_lengths(lengths: np.ndarray, bins: int = 12) -> dict:
     top = max(int(lengths.max()), 1)
     edges = np.unique(np.geomspace(1, top + 1, bins + 1).astype(np.int64))
     counts, edges = np.histogram(lengths, bins=edges)
-    cover = int(math.ceil(p99))
     return {
         "docs": int(len(lengths)),
         "tokens": int(lengths.sum()),
@@ -301,6 +299,4 @@ def describe_lengths(lengths: np.ndarray, bins: int = 12) -> dict:
         "p99": p99,
         "max": int(lengths.max()),
         "histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
-        # A row that holds the p99 document whole: bfd then splits ~1% of documents.
-        "recommended_seq_len": max(8, 1 << max(3, (cover - 1).bit_length())),
     }

@@ -244,7 +244,10 @@ def cmd_status(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from pipeline.stats import scan
+    """Validate the config, load the tokenizer, then read and tokenize every record once:
+    the bad ones listed (the first `--show` of each stream) and counted, the good ones
+    counted with their tokens, and the steps they make at the configured weights."""
+    from pipeline.stats import count_corpus, supply
     from pipeline.tokenization import load_tokenizer
 
     cfg = load_config(args.config)
@@ -257,29 +260,77 @@ def cmd_check(args) -> int:
         print(f"BAD tokenizer: {e}", file=sys.stderr)
         return 1
     print(f"tokenizer ok: {tok.describe()}")
-    bad: dict[str, int] = dict.fromkeys(cfg.streams, 0)
-    for rej in scan(cfg, vocab=tok.tokenizer.get_vocab_size(with_added_tokens=True)):
-        bad[rej.stream] += 1
-        if bad[rej.stream] <= args.show:
+    listed: dict[str, int] = dict.fromkeys(cfg.streams, 0)
+
+    def show(rej) -> None:
+        listed[rej.stream] += 1
+        if listed[rej.stream] <= args.show:
             where = rej.file + ("" if rej.record is None else f":{rej.record}")
             print(f"BAD {rej.stream}: {where}: {rej.reason}")
-    if any(bad.values()):
-        for name, n in bad.items():
-            if n:
-                more = f" ({n - args.show} not listed)" if n > args.show else ""
-                print(f"{name}: {n} bad record(s){more}", file=sys.stderr)
+
+    counts = count_corpus(cfg, show)
+    for name, c in counts.items():
+        print(
+            f"{name}: {c.records:,} records, {c.docs:,} ok, {c.bad:,} bad; "
+            f"{c.tokens:,} tokens in one pass"
+        )
+    _print_supply(cfg, supply(cfg, counts))
+    bad = {name: c.bad for name, c in counts.items() if c.bad}
+    for name, n in bad.items():
+        more = f" ({n - args.show} not listed)" if n > args.show else ""
+        print(f"{name}: {n} bad record(s){more}", file=sys.stderr)
+    if bad:
         return 1
-    print("all records ok")
+    records = sum(c.records for c in counts.values())
+    tokens = sum(c.tokens for c in counts.values())
+    print(f"all {records:,} records ok ({tokens:,} tokens)")
     return 0
 
 
+def _print_supply(cfg, sup: dict) -> None:
+    G, L = cfg.global_batch_size, cfg.seq_len
+    weights = ", ".join(f"{n} {w:.3f}" for n, w in sup["weights"].items())
+    print(
+        f"steps at the configured weights ({weights}), {G} rows x {L} tokens = "
+        f"{sup['tokens_per_step']:,} tokens a step:"
+    )
+    for name, steps in sup["pass_steps"].items():
+        print(f"  {name}: one pass lasts {steps:,} steps")
+    print(
+        f"  one epoch (until the first stream, {sup['epoch_ends_with']!r}, has been read once): "
+        f"{sup['epoch_steps']:,} steps"
+    )
+    repeats = ", ".join(
+        f"{n} x{s.repeat}" + ("" if s.max_tokens is None else f" (max {s.max_tokens:,} tokens)")
+        for n, s in cfg.streams.items()
+    )
+    how = (
+        f"ends when {sup['first_dry']!r} runs dry (on_exhausted: stop)"
+        if cfg.mixing.on_exhausted == "stop"
+        else "ends when every stream has run dry (on_exhausted: renormalize)"
+    )
+    print(f"  the whole run (repeat: {repeats}): {sup['run_steps']:,} steps; the data {how}")
+    print(
+        "  (full rows: the padding packing leaves in a row stretches the data over as many "
+        "more steps)"
+    )
+
+
 def cmd_stats(args) -> int:
-    from pipeline.stats import length_stats, text_histogram
+    """Per stream, the token lengths of a sample of documents; for the mixture, one seq_len."""
+    from pipeline.stats import mixture_seq_len, sample_lengths, text_histogram
+    from pipeline.summary import describe_lengths
 
     cfg = load_config(args.config)
-    stats = length_stats(cfg, docs=args.docs)
+    samples = sample_lengths(cfg, docs=args.docs)
+    stats = {
+        name: describe_lengths(lengths) | {"skipped_while_sampling": skipped}
+        for name, (lengths, skipped) in samples.items()
+    }
+    mix = mixture_seq_len({n: a for n, (a, _) in samples.items()}, cfg.weights, args.fit)
     if args.json:
-        Path(args.json).write_text(json.dumps(stats, indent=2) + "\n")
+        doc = {"streams": stats, "mixture": mix}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     for name, st in stats.items():
         print(f"stream {name}: {st['docs']} docs sampled")
         if st["skipped_while_sampling"]:
@@ -295,8 +346,39 @@ def cmd_stats(args) -> int:
         )
         for line in text_histogram(st["histogram"]):
             print("  " + line)
-        print(f"  recommended seq_len: {st['recommended_seq_len']} (holds the p99 document whole)")
+        if name in mix["per_stream"]:
+            own = mix["per_stream"][name]
+            print(
+                f"  at the mixture's seq_len {mix['seq_len']}: {own['docs_longer']:.2%} of its "
+                f"documents are longer, {own['tokens_cut']:.2%} of its tokens lie past the "
+                "first seq_len of their document"
+            )
+    _print_mixture(mix, cfg.packing.overflow)
     return 0
+
+
+def _print_mixture(mix: dict, overflow: str) -> None:
+    if mix["seq_len"] is None:
+        print("mixture: no document sampled, no recommendation")
+        return
+    weights = ", ".join(
+        f"{n} {w:.3f} of tokens, {mix['doc_share'][n]:.1%} of documents"
+        for n, w in mix["weights"].items()
+    )
+    fate = {"split": "split across rows", "truncate": "cut off (truncate)",
+            "drop": "dropped (drop)"}[overflow]  # fmt: skip
+    print(f"mixture at the configured weights ({weights}):")
+    print("  seq_len   documents longer   tokens past the first seq_len of their document")
+    for L, c in mix["curve"].items():
+        mark = "   <- recommended" if mix["seq_len"] == L else ""
+        print(f"  {L:>7}   {c['docs_longer']:>16.2%}   {c['tokens_cut']:>7.2%}{mark}")
+    print(
+        f"recommended seq_len: {mix['seq_len']} for the whole mixture: the shortest power of two "
+        f"whose rows hold {mix['fit']:.0%} of the mixture's documents whole, counting documents "
+        f"as the configured weights take them (a longer document is {fate}, per "
+        f"packing.overflow: {overflow}). A shorter row costs the shares above; a longer one "
+        "costs attention per token, and packing fills it with short documents either way."
+    )
 
 
 def cmd_demo(args) -> int:
@@ -426,10 +508,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.set_defaults(func=cmd_check)
 
-    s = command("stats", "per-stream token-length distribution")
+    s = command("stats", "token lengths per stream, and one seq_len for the whole mixture")
     s.add_argument("--config", required=True, help=config_help)
     s.add_argument("--docs", type=int, default=2000, help="documents sampled per stream")
     s.add_argument("--json", default=None, help="also write the figures to this file")
+    s.add_argument(
+        "--fit",
+        type=float,
+        default=0.99,
+        help="the share of the mixture's documents (at the configured weights) that the "
+        "recommended seq_len holds whole",
+    )
     s.set_defaults(func=cmd_stats)
 
     k = command("corpus", "write the demo corpus (from the standard library) to a directory")

@@ -138,3 +138,51 @@ def test_help_names_nothing_users_do_not_have():
     texts += [sub.format_help() for sub in _subparsers(build_parser()).values()]
     for text in texts:
         assert "SPEC" not in text and "§" not in text, text
+
+
+def _token_docs(path, docs: int, length: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ids = [[7] * length for _ in range(docs)]
+    pq.write_table(pa.table({"tokens": pa.array(ids, pa.list_(pa.int32()))}), path)
+
+
+@pytest.mark.parametrize("on_exhausted", ["stop", "renormalize"])
+def test_check_counts_records_tokens_and_the_steps_they_make(tmp_path, capsys, on_exhausted):
+    """Stream a: 40 documents of 100 tokens (99 ids + EOS) at weight 0.5; b: 20 of them at
+    0.5, read 3 times. 2 rows x 64 tokens = 128 a step, 64 of each stream: a's pass lasts
+    4000/64 = 62 steps, b's 2000/64 = 31 (the epoch); over the run a runs dry first (62
+    steps), or, renormalized, every token is used: 10000/128 = 78 steps. A real export of
+    the data writes that many steps."""
+    _token_docs(tmp_path / "a.parquet", 40, 99)
+    _token_docs(tmp_path / "b.parquet", 20, 99)
+    cfg = _config(tmp_path, {"a": {"paths": ["a.parquet"], "tokens_field": "tokens", "weight": 0.5},
+                             "b": {"paths": ["b.parquet"], "tokens_field": "tokens", "weight": 0.5,
+                                   "repeat": 3}},
+                  mixing={"on_exhausted": on_exhausted})  # fmt: skip
+    assert main(["check", "--config", cfg]) == 0
+    out = capsys.readouterr().out
+    assert "a: 40 records, 40 ok, 0 bad; 4,000 tokens in one pass" in out
+    assert "b: 20 records, 20 ok, 0 bad; 2,000 tokens in one pass" in out
+    assert "2 rows x 64 tokens = 128 tokens a step" in out
+    assert "a: one pass lasts 62 steps" in out and "b: one pass lasts 31 steps" in out
+    assert "one epoch (until the first stream, 'b', has been read once): 31 steps" in out
+    run = 62 if on_exhausted == "stop" else 78
+    assert f"the whole run (repeat: a x1, b x3): {run} steps" in out
+    assert "all 60 records ok (6,000 tokens)" in out
+    o = tmp_path / "o"
+    assert main(["export", "--config", cfg, "--out", str(o), "--local"]) == 0
+    assert abs(json.loads((o / "summary.json").read_text())["steps"] - run) <= 1
+
+
+def test_check_counts_bad_records_beside_the_good(tmp_path, capsys):
+    _bad_jsonl(tmp_path / "bad.jsonl", 2)
+    write_jsonl(tmp_path / "good.jsonl", stdlib_texts(3))
+    with open(tmp_path / "bad.jsonl", "a") as f:
+        f.write(json.dumps({"text": "fine"}) + "\n")
+    cfg = _config(tmp_path, {"b": {"paths": ["bad.jsonl"]}, "g": {"paths": ["good.jsonl"]}})
+    assert main(["check", "--config", cfg]) == 1
+    out = capsys.readouterr().out
+    assert "b: 3 records, 1 ok, 2 bad; 2 tokens in one pass" in out  # "fine" + EOS
+    assert "g: 3 records, 3 ok, 0 bad" in out and "all" not in out.splitlines()[-1]

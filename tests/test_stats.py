@@ -4,9 +4,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from pipeline.config import parse_config
-from pipeline.stats import length_stats
+from pipeline.stats import length_stats, mixture_seq_len
 from pipeline.summary import describe_lengths
 from tests.conftest import write_jsonl
 
@@ -16,7 +17,6 @@ def test_describe_lengths_golden():
     assert d["docs"] == 100 and d["p50"] == 10 and d["max"] == 1000
     assert d["mean"] == (980 + 1300) / 100
     assert sum(d["histogram"]["counts"]) == 100
-    assert d["recommended_seq_len"] == 512  # holds the p99 document (~307 tokens) whole
 
 
 def test_length_stats_tokenizes_real_records(tmp_path, tokenizer):
@@ -37,4 +37,22 @@ def test_stats_cli_prints_histogram_and_recommendation(tmp_path):
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "p50" in r.stdout and "p99" in r.stdout and "#" in r.stdout
-    assert "recommended seq_len: 64" in r.stdout
+    assert "recommended seq_len: 64 for the whole mixture" in r.stdout
+    assert r.stdout.count("recommended seq_len") == 1  # one, not one per stream
+
+
+def test_one_seq_len_for_the_mixture_counts_documents_as_the_weights_take_them():
+    """Long documents at a small token weight are few of the mixture's documents: they do not
+    set the row for everything (each stream's own p99 would say 128 and 8192)."""
+    short, long = np.full(100, 100), np.full(100, 5000)
+    few = mixture_seq_len({"a": short, "b": long}, {"a": 0.9, "b": 0.1})
+    # per token: a 0.9/100 documents, b 0.1/5000: b's are 0.2% of the mixture's documents
+    assert few["seq_len"] == 128
+    assert few["doc_share"]["b"] == pytest.approx((0.1 / 5000) / (0.9 / 100 + 0.1 / 5000))
+    assert few["curve"][128] == {"docs_longer": pytest.approx(few["doc_share"]["b"]),
+                                 "tokens_cut": pytest.approx(0.1 * (5000 - 128) / 5000)}  # fmt: skip
+    many = mixture_seq_len({"a": short, "b": long}, {"a": 0.1, "b": 0.9})
+    assert many["seq_len"] == 8192  # b's documents are 15% of the mixture's now
+    assert (
+        mixture_seq_len({"a": short, "b": long}, {"a": 0.9, "b": 0.1}, fit=0.999)["seq_len"] == 8192
+    )
