@@ -1,9 +1,12 @@
 """The live page (`/`) and the API docs (`/docs`) in a real browser, over a live service:
-`python -m service serve` on the session's Ray cluster, one rank pulling through
+`python -m service serve` on the session's Ray cluster, ranks pulling through
 trainer.feed.Feed, and Debian's headless chromium driven by selenium. Both pages must render
-from the service alone (no CDN), so every resource the browser loads comes from the service."""
+from the service alone (no CDN), so every resource the browser loads comes from the service.
+What the page says of a state is also checked over a fake batch server that reports exactly
+that state (tests/test_monitoring.py's), served by the real API."""
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import serve_process, wait_http
+from tests.rayhead import free_port, serve_process, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -146,3 +149,213 @@ def test_docs_render_offline(browser, service):
     assert "Unable to render" not in text
     offsite = [u for u in browser.execute_script(RESOURCES) if offsite_url(u, base)]
     assert not offsite, f"/docs loaded resources from elsewhere: {offsite}"
+
+
+# What the page shows, for the page tests to read: the status line's parts, the producer's
+# state, the rank rows' cells (by column header), the elements marked as alarms, the time axes.
+PAGE_VIEW = """
+const cells = tr => [...tr.querySelectorAll("td")].map(td => td.textContent);
+const heads = [...document.querySelectorAll("#ranks thead th")].map(th => th.textContent);
+const producer = document.getElementById("producer");
+return {
+  status: document.getElementById("status").textContent,
+  producer: producer ? producer.dataset.state : null,
+  producerText: producer ? producer.textContent : null,
+  heads,
+  ranks: [...document.querySelectorAll("#ranks tbody tr")].map(tr => Object.fromEntries(
+    cells(tr).map((v, i) => [heads[i], v]))),
+  warn: [...document.querySelectorAll("#ranks td.warn")].map(td => td.textContent),
+  alarms: [...document.querySelectorAll(".alarm")].map(e => e.textContent),
+  lagLegend: document.getElementById("lag-legend").textContent,
+  plot: window.tokenmillPlot,
+};
+"""
+
+
+def page_view(browser) -> dict:
+    return browser.execute_script(PAGE_VIEW)
+
+
+def wait_page(browser, ok, what: str, timeout: float = 60) -> dict:
+    """The page's view once `ok(view)` holds; fails with the last view otherwise."""
+    deadline, view = time.time() + timeout, {}
+    while time.time() < deadline:
+        view = page_view(browser)
+        if view["plot"] and ok(view):
+            return view
+        time.sleep(0.5)
+    pytest.fail(f"the page did not show {what} within {timeout} s: {view}")
+
+
+def assert_one_time_axis(view: dict) -> None:
+    axes = view["plot"]["axes"]
+    assert set(axes) == {"rate", "mix", "lag"}, axes
+    assert axes["rate"] == axes["mix"] == axes["lag"], f"charts on different time axes: {axes}"
+
+
+@pytest.fixture
+def fake_service():
+    """The real API over tests/test_monitoring.py's fake batch server (uvicorn in a thread):
+    the page shows exactly the metrics the test sets in `server.m`."""
+    import uvicorn
+
+    from service.api import Backend, create_app
+    from tests.test_monitoring import FakeServer, metrics
+
+    now = time.time()
+    history = [{"t": now - 40 + i, "tokens": 1000 * i, "rows": 4 * i,
+                "shares": {"web": 0.5, "code": 0.5}, "targets": {"web": 0.5, "code": 0.5}}
+               for i in range(20)]  # made steps for 20 s, then the window filled  # fmt: skip
+    server = FakeServer(metrics(history=history, real_tokens=19_000))
+    port = free_port()
+    web = uvicorn.Server(uvicorn.Config(create_app(Backend(server)), host="127.0.0.1",
+                                        port=port, log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=web.run, daemon=True)
+    thread.start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", timeout=30)
+        yield {"base": f"http://127.0.0.1:{port}", "server": server}
+    finally:
+        web.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_page_tells_a_full_window_and_a_slow_rank_apart_from_alarms(browser, fake_service):
+    """A rank training at step 7 with 25 steps buffered, the producer waiting on a full window:
+    the page says so, shows where the rank trains, and raises no alarm; a lost rank does."""
+    from tests.test_monitoring import RANKS
+
+    server = fake_service["server"]
+    server.m["ranks"] = {"0": RANKS["0"]}  # the healthy slow one only
+    browser.get(fake_service["base"] + "/")
+    view = wait_page(browser, lambda v: v["producer"] == "window_full", "the producer state")
+    assert "waiting on a full window" in view["producerText"], view["status"]
+    assert "tok/s" not in view["producerText"] and "0 tok/s" not in view["status"]
+    assert "trainers at step 7" in view["status"]
+    assert not view["alarms"], f"alarms on a healthy service: {view['alarms']}"
+    assert "next step" not in " ".join(view["heads"])
+    (rank,) = view["ranks"]
+    assert rank["rank"] == "0" and rank["state"] == "ok" and rank["trains at step"] == "7"
+    assert rank["buffered"] == "25" and rank["last sign of life"] == "1.5 s ago"
+    assert "32" not in rank.values()  # its fetched step is not shown as where it is
+    assert rank["lag (steps; normal ≤ 64)"] == "57" and not view["warn"]  # within its normal range
+    assert "normal: 0–64 steps" in view["lagLegend"]
+    assert_one_time_axis(view)
+    # The same page alarms on what is wrong: a lost rank, a lag above its normal range.
+    server.m["ranks"] = RANKS | {"2": RANKS["0"] | {"lag": 90}}
+    view = wait_page(browser, lambda v: len(v["ranks"]) == 3, "three ranks")
+    assert "1 rank LOST" in view["alarms"] and "LOST" in view["alarms"], view["alarms"]
+    assert view["warn"] == ["90 (above normal)"]
+    server.m["producer"] = "making"
+    view = wait_page(browser, lambda v: v["producer"] == "making", "a making producer")
+    assert "tok/s" in view["producerText"]
+
+
+def test_docs_try_it_out_sends_the_bearer_token(browser, fake_service):
+    """In /docs: Authorize with the token, then "Try it out" on POST /v1/pause succeeds."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.test_monitoring import TOKEN
+
+    op = "#operations-default-pause_v1_pause_post"
+    wait = WebDriverWait(browser, 30, poll_frequency=0.3)
+
+    def click(css: str) -> None:
+        wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, css))).click()
+
+    os.environ["TOKENMILL_API_TOKEN"] = TOKEN  # the API reads it per request
+    try:
+        browser.get(fake_service["base"] + "/docs")
+        click("button.authorize")
+        token = ".auth-container input[type=text], .auth-container input[type=password]"
+        wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, token))).send_keys(TOKEN)
+        click(".auth-container button[type=submit]")
+        click(".modal-ux button.btn-done")
+        click(f"{op} .opblock-summary")
+        click(f"{op} button.try-out__btn")
+        click(f"{op} button.execute")
+        answered = f"{op} .live-responses-table tr.response .response-col_status"
+        status = wait.until(ec.visibility_of_element_located((By.CSS_SELECTOR, answered)))
+        assert status.text.strip().startswith("200"), status.text
+        assert fake_service["server"].paused
+    finally:
+        del os.environ["TOKENMILL_API_TOKEN"]
+
+
+@pytest.fixture
+def slow_service(ray_cluster, tmp_path):
+    """`serve` with a small window (8 steps) and a short rank timeout (4 s), so that a rank
+    training at ~0.6 s a step fills the window within seconds and fetches less often than the
+    timeout: alive only by its client's heartbeat."""
+    write_jsonl(tmp_path / "a.jsonl", stdlib_texts(30, max_bytes=4000))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"seq_len": 64, "global_batch_size": 4, "shuffle": {"window": 4},
+                                   "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}},
+                                   "service": {"prefetch": 8, "rank_timeout_s": 4}}))  # fmt: skip
+    address = ray_cluster.get_runtime_context().gcs_address
+    env = os.environ | {"TOKENMILL_API_TOKEN": "t0ken"}
+    with serve_process(cfg, address, f"slow{os.getpid()}", tmp_path, env) as svc:
+        yield svc
+
+
+def test_live_page_and_metrics_for_a_healthy_slow_rank(browser, slow_service):
+    """A real rank that trains slowly (0.6 s a step, 8 steps per fetch, a 4 s rank timeout):
+    the page says the producer waits on a full window, raises no alarm, and shows the step the
+    rank trains at; /metrics agrees."""
+    from trainer.feed import Feed
+
+    base = f"http://127.0.0.1:{slow_service['port']}"
+    feed = Feed.connect(service=slow_service["name"], rank=0, world_size=1,
+                        address=slow_service["address"])  # fmt: skip
+    consumed, stop = [0], threading.Event()
+
+    def train():
+        while not stop.is_set():
+            try:
+                next(feed)
+            except StopIteration:
+                return
+            consumed[0] += 1
+            stop.wait(0.6)
+
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    try:
+        browser.get(f"{base}/")
+        # Past one rank timeout of training on buffered steps, the window full meanwhile.
+        time.sleep(6)
+        view = wait_page(
+            browser,
+            lambda v: (
+                v["producer"] == "window_full"
+                and v["ranks"]
+                and v["ranks"][0]["trains at step"] not in ("–", "0")
+            ),
+            "a full window and the rank's step",
+        )
+        assert (
+            "waiting on a full window" in view["producerText"] and "0 tok/s" not in view["status"]
+        )
+        assert not view["alarms"], f"alarms on a healthy slow rank: {view['alarms']}"
+        (rank,) = view["ranks"]
+        at = int(rank["trains at step"].replace(",", ""))
+        assert consumed[0] - 4 <= at <= consumed[0] + 1, (at, consumed[0])  # a heartbeat's delay
+        assert rank["state"] == "ok" and not view["warn"], view
+        sign = float(rank["last sign of life"].split()[0])
+        assert sign < 4, rank  # it beats, though it fetches every ~5 s
+        assert_one_time_axis(view)
+        m = wait_http(f"{base}/v1/metrics")
+        assert m["ranks"]["0"]["lag"] <= m["lag_normal_max"] and not m["ranks"]["0"]["lost"]
+        import urllib.request
+
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        assert 'tokenmill_rank_lost{rank="0"} 0.0' in lines
+        assert 'tokenmill_producer_state{state="window_full"} 1.0' in lines
+        assert any(line.startswith('tokenmill_rank_consumed_step{rank="0"}') for line in lines)
+    finally:
+        stop.set()
+        trainer.join(timeout=10)
+        feed.close()
