@@ -9,8 +9,25 @@ segment (at most one row, `seq_len` tokens) of its target. Sample-based mixers (
 LitData) drift whenever documents of the streams differ in length; this one cannot.
 
 Weights can change at a stated global step (a config `schedule:` or `set_weights` at run
-time), never retroactively. Every change is kept in `history`, which is part of the resumable
+time), never retroactively. The changes are kept in `history`, which is part of the resumable
 state, so a resumed run replays the same schedule.
+
+The history is bounded (issue 24: 5,259 weight PUTs made every `/v1/mixture` and every state
+450 KB). The weights in effect at step t come from the last change at a step <= t, so from
+the current step on only the change in effect now and the changes scheduled after it can
+ever be chosen again. The history keeps exactly those, which makes resume exact, plus:
+
+- a change at the same step as the last one replaces it (the later one was the one in
+  effect anyway: concurrent PUTs before a step begins leave one entry, not one each);
+- of the changes that no longer matter, the `HISTORY_PAST` most recent, for the record;
+  older ones are dropped and counted (`history_dropped`, in the state only once nonzero, so
+  states of runs that never drop one are unchanged);
+- at most `HISTORY_PENDING` changes may be scheduled ahead of the current step (a
+  ValueError past that).
+
+So a history holds at most HISTORY_PAST + 1 + HISTORY_PENDING changes, ~50 bytes per stream
+each; with one `set_weights` per step (the API schedules at the next open step) it stays
+at HISTORY_PAST + 2.
 """
 
 from __future__ import annotations
@@ -73,6 +90,10 @@ WEIGHTS = "weights"
 STEP = "step"
 STOPPED = "stopped"
 EXHAUSTED = "exhausted"
+HISTORY_DROPPED = "history_dropped"  # changes dropped from the history's past (absent: 0)
+
+HISTORY_PAST = 16  # changes kept that no longer affect any step to come, for the record
+HISTORY_PENDING = 1024  # changes that may be scheduled ahead of the current step
 
 
 class DeficitMixer:
@@ -87,13 +108,14 @@ class DeficitMixer:
         self.names = list(names)
         self.on_exhausted = on_exhausted
         self.history: list[WeightChange] = []
+        self.history_dropped = 0  # changes dropped from the history (module docstring)
+        self._step = 0
         self._add(0, weights, "config")
         self.target = np.zeros(len(names), dtype=np.float64)
         self.placed = np.zeros(len(names), dtype=np.int64)
         self.alive = np.ones(len(names), dtype=bool)
         self.stopped = False  # a stream ran out under on_exhausted=stop (or all did)
         self.exhausted_log: list[str] = []
-        self._step = 0
         self._w = self._weights_for(0)
 
     def _add(self, step: int, weights: Mapping[str, float], source: str) -> int:
@@ -102,6 +124,16 @@ class DeficitMixer:
         if self.history and step < self.history[-1].step:
             raise ValueError(
                 f"weight change at step {step} is before the last one ({self.history[-1].step})"
+            )
+        if self.history and step == self.history[-1].step:
+            self.history[-1] = change  # the earlier change at this step is never in effect
+            self.history_dropped += 1
+            return step
+        pending = sum(1 for c in self.history if c.step > self._step)
+        if pending >= HISTORY_PENDING:
+            raise ValueError(
+                f"{pending} weight changes are already scheduled after step {self._step}; "
+                f"at most {HISTORY_PENDING} may wait (change weights nearer their step)"
             )
         self.history.append(change)
         return step
@@ -134,7 +166,19 @@ class DeficitMixer:
 
     def begin_step(self, step: int) -> None:
         self._step = step
+        self._trim_history(step)
         self._set(self._weights_for(step))
+
+    def _trim_history(self, step: int) -> None:
+        """Drop the oldest changes that can no longer be in effect at `step` or after (those
+        before the one in effect at `step`), beyond the `HISTORY_PAST` most recent of them."""
+        current = 0
+        while current + 1 < len(self.history) and self.history[current + 1].step <= step:
+            current += 1
+        extra = current - HISTORY_PAST
+        if extra > 0:
+            del self.history[:extra]
+            self.history_dropped += extra
 
     def _set(self, w: np.ndarray) -> None:
         """Adopt new weights. Deficits restart at zero, so the realized share from this
@@ -198,7 +242,7 @@ class DeficitMixer:
         def by_name(values) -> dict:
             return dict(zip(self.names, values.tolist(), strict=True))
 
-        return {
+        state = {
             HISTORY: [c.as_dict() for c in self.history],
             TARGET: by_name(self.target),
             PLACED: by_name(self.placed),
@@ -208,11 +252,15 @@ class DeficitMixer:
             STOPPED: self.stopped,
             EXHAUSTED: list(self.exhausted_log),
         }
+        if self.history_dropped:  # absent while 0: the states of earlier versions' runs
+            state[HISTORY_DROPPED] = self.history_dropped
+        return state
 
     def set_state(self, state: dict) -> None:
         """Streams the state does not name (added at a resume) start at zero; streams it
         names that are not here (removed) are left out."""
         self.history = [WeightChange(**c) for c in state[HISTORY]]
+        self.history_dropped = int(state.get(HISTORY_DROPPED, 0))
         for attr, key, default in (("target", TARGET, 0.0), ("placed", PLACED, 0),
                                    ("alive", ALIVE, True), ("_w", WEIGHTS, 0.0)):  # fmt: skip
             old = getattr(self, attr)
