@@ -2,15 +2,29 @@
 
 A state is a few KB of human-readable JSON (pipeline/feed.py builds it). Trainer checkpoints,
 `GET /v1/state` and `export --state-every` hand it around, and people edit files. A corrupted
-or hand-edited state must never resume "successfully" into wrong data (a negative cursor
-once repeated 14 served documents and skipped 29), so:
+or malformed state must never resume "successfully" into wrong data (a negative cursor once
+repeated 14 served documents and skipped 29), so a state is checked in two ways.
 
-- `seal` adds `digest`, a SHA-256 over the state's canonical JSON (sorted keys, no spaces).
-  `check_state` recomputes it and refuses a state whose content no longer matches: the state
-  stays readable, and is tamper-evident.
-- Beyond the digest, every field is checked for type and bounds (counts and positions are
-  non-negative integers, shares are finite, per-stream mappings name the state's streams), so
-  a state from a buggy writer fails with the field's path, too.
+**The seal detects corruption, not tampering** (the choice of issue 24, `SEAL`). `seal` adds
+`digest`, a plain SHA-256 over the state's canonical JSON (sorted keys, no spaces), with no
+key: a byte flipped on disk, a truncated copy or an edit made without re-sealing is refused,
+but anyone can recompute the digest, so a state edited *and re-sealed* passes it. An HMAC
+with a key the service holds would make states unforgeable, but the states an export writes
+must resume on other machines and under other processes than the one that wrote them, so the
+key would have to travel with them, and a key beside the state authenticates nothing. A
+state is the user's own checkpoint; what it may hold is checked instead:
+
+- Every field is checked for type and bounds (counts and positions are non-negative
+  integers, shares are finite, per-stream mappings name the state's streams).
+- And for what a writer can produce (`_check_consistent`): the bfd pool's arrival numbers
+  are strictly increasing (no duplicates) within [`base`, `arrivals`), a window's offset is
+  within its window, the read mark is unset or a position, the mixture history is in step
+  order with a change in effect, the mixer's step is not past the state's, the weights are
+  normalized, the feed's rows are the packer's and its tokens at least the mixer's.
+
+A state that passes both resumes into the run it describes: an impossible one (duplicate
+pool entries, a position out of bounds) is refused with the field's path; a possible one that
+someone re-sealed by hand resumes into the run that state describes, which is the editor's.
 
 Layout (version 3): each stage's state nests its input's (pipeline/stage.py), per stream by
 name, with the keys as constants in the stages' modules:
@@ -44,6 +58,9 @@ POSITION_FIELDS = len(fields(SourcePos))
 PACK_COUNTERS = [f.name for f in fields(PackCounters)]
 
 STATE_VERSION = 3
+# What the digest is (issue 24): a keyless SHA-256 that detects corruption, not tampering; what
+# a state may hold is validated instead (the module docstring says why not an HMAC).
+SEAL = "sha256"
 LEGACY_VERSIONS = (1, 2)  # migrated on load (`migrate`)
 
 # Feed state keys (the stages' own keys are in their modules)
@@ -63,7 +80,27 @@ class StateError(ValueError):
     """A resume state that is malformed, corrupted, or does not fit this config."""
 
 
+def load_state(path: str) -> dict:
+    """The state in the JSON file at `path`, which must hold an object (`null` is no state).
+
+    What `--resume` reads: a file that is not JSON, or JSON that is not an object, is a
+    StateError naming the file, never "no state" (which would start the run from step 0)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise StateError(f"{path}: cannot read the state: {e}") from None
+    if not isinstance(state, dict):
+        raise StateError(
+            f"{path}: a resume state must be a JSON object, got {type(state).__name__} (a "
+            "state-N.json that `export --state-every` wrote, or the body of GET /v1/state)"
+        )
+    return state
+
+
 def digest(state: dict) -> str:
+    """The seal: SHA-256 of the canonical JSON. It detects corruption, not tampering: anyone can
+    recompute it (`SEAL`)."""
     body = {k: v for k, v in state.items() if k != DIGEST}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -83,7 +120,7 @@ def check_state(
     if not isinstance(state, dict):
         raise StateError(f"resume state must be a JSON object, got {type(state).__name__}")
     version = state.get(VERSION)
-    if version not in (STATE_VERSION, *LEGACY_VERSIONS):
+    if not _is_int(version) or version not in (STATE_VERSION, *LEGACY_VERSIONS):
         raise StateError(f"resume state has version {version!r}, expected {STATE_VERSION}")
     if version != 1:
         try:
@@ -92,8 +129,8 @@ def check_state(
             raise StateError(f"resume state is not plain JSON: {e}") from None
         if not ok:
             raise StateError(
-                "resume state digest does not match its content: the state was edited or "
-                "corrupted (states are checked whole; use the file as it was written)"
+                "resume state digest does not match its content: the state was corrupted or "
+                "edited (states are checked whole; use the file as it was written)"
             )
     else:
         logging.getLogger("tokenmill").warning("resuming a version %s state (no digest)", version)
@@ -106,6 +143,7 @@ def check_state(
     if version != STATE_VERSION:
         state = migrate(state, written)
     _check_fields(state, written)
+    _check_consistent(state, written)
     streams = sorted(state[PACKER][packing_keys.STREAMS])
     if streams != sorted(names) and not allow_config_change:
         raise StateError(
@@ -191,15 +229,97 @@ def _check_mixer(mixer: dict, names: list[str]) -> None:
                 lambda v: isinstance(v, bool))  # fmt: skip
     _count(mixer, mixing_keys.STEP, "packer.mixer.step")
     _type(mixer, mixing_keys.STOPPED, bool, "packer.mixer.stopped")
-    _type(mixer, mixing_keys.EXHAUSTED, list, "packer.mixer.exhausted")
+    exhausted = _type(mixer, mixing_keys.EXHAUSTED, list, "packer.mixer.exhausted")
+    if not all(isinstance(line, str) for line in exhausted):
+        raise StateError("resume state: packer.mixer.exhausted must be a list of strings")
+    if mixing_keys.HISTORY_DROPPED in mixer:
+        _count(mixer, mixing_keys.HISTORY_DROPPED, "packer.mixer.history_dropped")
     for i, change in enumerate(_type(mixer, mixing_keys.HISTORY, list, "packer.mixer.history")):
         where = f"packer.mixer.history.{i}"
         change = _type({"c": change}, "c", dict, where)
         _count(change, "step", f"{where}.step")
         _type(change, "source", str, f"{where}.source")
         weights = _type(change, "weights", dict, f"{where}.weights")
-        if not all(weight(v) for v in weights.values()):
+        if not weights or not all(weight(v) for v in weights.values()):
             raise StateError(f"resume state: {where}.weights must be finite numbers >= 0")
+
+
+def _check_consistent(state: dict, packing: str) -> None:
+    """What a writer can produce, beyond each field's own type and bounds: a state edited and
+    re-sealed into something no run can be in (duplicate pool entries, a position past its
+    window) is refused here, naming the field (the digest cannot tell, module docstring)."""
+    packer, feed = state[PACKER], state[FEED]
+    for name, st in packer[packing_keys.STREAMS].items():
+        where = f"packer.streams.{name}"
+        window = st[packing_keys.INPUT]
+        k, offset = window[shuffle_keys.WINDOW], window[shuffle_keys.OFFSET]
+        if offset > shuffle_keys.window_size(1 << 62, k):
+            raise StateError(
+                f"resume state: {where}.input.offset {offset} is past the end of window {k} "
+                f"(at most {shuffle_keys.window_size(1 << 62, k)} documents)"
+            )
+        mark = window[shuffle_keys.INPUT][doc_keys.REPORTED]
+        if -1 in mark and mark != [-1, -1, -1]:
+            raise StateError(
+                f"resume state: {where}.input.input.reported must be unset ([-1, -1, -1]) or "
+                f"a read position, got {mark}"
+            )
+        if packing == "bfd":
+            _check_pool(st, where)
+    mixer = packer[packing_keys.MIXER]
+    history = mixer[mixing_keys.HISTORY]
+    steps = [change["step"] for change in history]
+    if not steps or steps != sorted(steps):
+        raise StateError(
+            "resume state: packer.mixer.history must hold the weight changes in step order, "
+            f"got steps {steps!r:.80}"
+        )
+    if mixer[mixing_keys.STEP] > state[STEP] or steps[0] > mixer[mixing_keys.STEP]:
+        raise StateError(
+            f"resume state: packer.mixer.step {mixer[mixing_keys.STEP]} must be within the "
+            f"first weight change's step {steps[0]} and the state's step {state[STEP]}"
+        )
+    total = sum(mixer[mixing_keys.WEIGHTS].values())
+    if total != 0 and abs(total - 1) > 1e-6:
+        raise StateError(f"resume state: packer.mixer.weights must sum to 1 (or 0), got {total}")
+    exhausted = mixer[mixing_keys.EXHAUSTED]
+    if len(set(exhausted)) != len(exhausted):
+        raise StateError("resume state: packer.mixer.exhausted has duplicate entries")
+    if not feed[FINISHED]:  # a last short step dropped (drop_last) is counted by the packer only
+        if packing == "bfd" and packer[packing_keys.ROWS] != feed[ROWS]:
+            raise StateError(
+                f"resume state: packer.rows {packer[packing_keys.ROWS]} must equal feed.rows "
+                f"{feed[ROWS]}"
+            )
+        placed = sum(mixer[mixing_keys.PLACED].values())
+        if placed > feed[REAL_TOKENS]:
+            raise StateError(
+                f"resume state: packer.mixer.placed ({placed} tokens in all) is more than "
+                f"feed.real_tokens {feed[REAL_TOKENS]}"
+            )
+
+
+def _check_pool(st: dict, where: str) -> None:
+    """A bfd stream's held pieces: arrival numbers, strictly increasing (no piece held twice),
+    within [base, arrivals); `base` is the oldest held document's first piece, so it is at most
+    the first held one, and `arrivals` itself when nothing is held."""
+    base, arrivals = st[packing_keys.BASE], st[packing_keys.ARRIVALS]
+    pool = st[packing_keys.POOL]
+    if any(b <= a for a, b in zip(pool, pool[1:], strict=False)):
+        raise StateError(
+            f"resume state: {where}.pool must be strictly increasing arrival numbers (no "
+            f"duplicates), got {pool!r:.80}"
+        )
+    if base > arrivals or (pool and (pool[0] < base or pool[-1] >= arrivals)):
+        raise StateError(
+            f"resume state: {where}.pool must lie within base {base} and arrivals {arrivals}, "
+            f"got {pool!r:.80}"
+        )
+    if not pool and base != arrivals:
+        raise StateError(
+            f"resume state: {where}.base must equal arrivals when its pool is empty, got base "
+            f"{base}, arrivals {arrivals}"
+        )
 
 
 def _per_stream(obj: dict, key: str, where: str, names: list[str], ok) -> None:
