@@ -48,19 +48,18 @@ weight >= 0, not all zero; weights are normalized, and 0 turns a stream off. A s
 rejected with a 400 that names the missing streams (it is not merged with the current
 weights); an unknown stream is a 400 too. Needs `Authorization: Bearer <token>`."""
 
+STATE_AUTH_HEADER = "X-Tokenmill-Auth"
 STATE_AUTH = (
-    "none: read-only, like every GET here. A state holds positions, counters and mixture "
-    "weights (the figures /v1/metrics shows), never tokens, text or secrets; resuming from one "
-    "takes a rank inside the Ray cluster, not this API; mutations need the token"
+    "none: read-only, like every GET here. A state holds read positions, counters and mixture "
+    "weights, never tokens, text or secrets; only a rank inside the Ray cluster can resume "
+    "from one, not a client of this API; mutations need the token"
 )
 STATE_DOC = f"""The resume state after global step `step` (default: the newest held): small JSON that
 a trainer saves beside its checkpoint and hands back on resume (`Feed.connect(..., state=...)`,
 `tokenmill export --resume`). A step no longer held is a 404.
 
-**Not authenticated**, on purpose; every answer says so in its `{{auth}}` header. Why:
-{STATE_AUTH}."""
-STATE_AUTH_HEADER = "X-Tokenmill-Auth"
-STATE_DOC = STATE_DOC.replace("{auth}", STATE_AUTH_HEADER)
+**Not authenticated**, on purpose; every answer says so in its `{STATE_AUTH_HEADER}` header.
+Why: {STATE_AUTH}."""
 
 
 class Backend:

@@ -341,7 +341,7 @@ def test_live_page_and_metrics_for_a_healthy_slow_rank(browser, slow_service):
         assert not view["alarms"], f"alarms on a healthy slow rank: {view['alarms']}"
         (rank,) = view["ranks"]
         at = int(rank["trains at step"].replace(",", ""))
-        assert consumed[0] - 4 <= at <= consumed[0] + 1, (at, consumed[0])  # a heartbeat's delay
+        assert consumed[0] - 8 <= at <= consumed[0] + 1, (at, consumed[0])  # a beat and a page tick late
         assert rank["state"] == "ok" and not view["warn"], view
         sign = float(rank["last sign of life"].split()[0])
         assert sign < 4, rank  # it beats, though it fetches every ~5 s
