@@ -186,3 +186,32 @@ def test_check_counts_bad_records_beside_the_good(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "b: 3 records, 1 ok, 2 bad; 2 tokens in one pass" in out  # "fine" + EOS
     assert "g: 3 records, 3 ok, 0 bad" in out and "all" not in out.splitlines()[-1]
+
+
+def test_the_readmes_records_are_good_records(tmp_path, capsys):
+    """The README's pretrain and chat (OpenAI `messages`) records pass `check` as shown."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    records = [json.loads(b) for b in re.findall(r"```json\n(.*?)\n```", readme, re.S)]
+    chat = [r for r in records if "messages" in r]
+    text = [r for r in records if "text" in r]
+    assert chat and text
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps(r) + "\n" for r in text))
+    cfg = _config(tmp_path, {"c": {"kind": "chat", "paths": ["chat.jsonl"]},
+                             "t": {"paths": ["text.jsonl"]}})  # fmt: skip
+    assert main(["check", "--config", cfg]) == 0
+    assert f"all {len(records)} records ok" in capsys.readouterr().out
+
+
+def test_the_readmes_resume_keeps_the_world_size():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    exports = [ln for ln in readme.splitlines() if ln.startswith("tokenmill export")]
+    sizes = [re.search(r"--world-size (\d+)", ln) for ln in exports]
+    assert any("--resume" in ln for ln in exports) and all(sizes), exports
+    assert len({m.group(1) for m in sizes if m}) == 1
