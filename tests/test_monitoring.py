@@ -4,12 +4,15 @@ out" send the token), and `/v1/state`'s word on authentication. The batch server
 answers with the fields the real one reports (service/server.py)."""
 
 import re
+import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.api import PAGE, STATE_AUTH_HEADER, Backend, create_app, prometheus_text
+from service.telemetry import Telemetry
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -123,8 +126,6 @@ def test_metrics_from_an_older_server_still_render():
 
 
 def test_v1_metrics_carries_the_clock_the_page_plots_against(client):
-    import time
-
     m = client.get("/v1/metrics").json()
     assert abs(m["server_time"] - time.time()) < 5 and m["producer"] == "window_full"
 
@@ -174,3 +175,47 @@ def test_no_spec_section_references_in_what_users_read(client):
     assert "SPEC" not in spec and "§" not in spec
     page = PAGE.read_text()
     assert "SPEC" not in page and "§" not in page
+
+
+def test_telemetry_observes_the_producer_and_lags_once_a_second_and_on_each_change():
+    now = [100.0]
+    t = Telemetry(clock=lambda: now[0])
+    for state, dt in [("making", 0.4), ("making", 0.7), ("making", 0.2), ("window_full", 0.1),
+                      ("window_full", 1.0), ("paused", 0.0)]:  # fmt: skip
+        t.observe(state, {0: 3, 1: None})
+        now[0] += dt
+    view = t.observations_view()
+    assert [(round(o["t"], 6), o["producer"]) for o in view] == [
+        (100.0, "making"), (101.1, "making"), (101.3, "window_full"), (102.4, "paused")
+    ]  # fmt: skip
+    assert view[0]["lag"] == {"0": 3, "1": None}
+
+
+def test_telemetry_is_safe_from_any_thread():
+    """Wait reports arrive outside the batch server's lock while metrics read them: a reader
+    must never see a deque change under it ("deque mutated during iteration")."""
+    t = Telemetry()
+    stop, errors = threading.Event(), []
+
+    def report():
+        while not stop.is_set():
+            t.report_wait(1, 0.1)
+            t.observe("making", {1: 2})
+
+    writers = [threading.Thread(target=report) for _ in range(2)]
+    for w in writers:
+        w.start()
+    try:
+        deadline = time.time() + 2
+        while time.time() < deadline:
+            try:
+                t.wait_by_rank()
+                t.observations_view()
+            except RuntimeError as e:
+                errors.append(e)
+                break
+    finally:
+        stop.set()
+        for w in writers:
+            w.join()
+    assert not errors, errors

@@ -167,6 +167,7 @@ return {
   warn: [...document.querySelectorAll("#ranks td.warn")].map(td => td.textContent),
   alarms: [...document.querySelectorAll(".alarm")].map(e => e.textContent),
   lagLegend: document.getElementById("lag-legend").textContent,
+  lagSource: document.getElementById("lag-source").textContent,
   plot: window.tokenmillPlot,
 };
 """
@@ -206,7 +207,9 @@ def fake_service():
     history = [{"t": now - 40 + i, "tokens": 1000 * i, "rows": 4 * i,
                 "shares": {"web": 0.5, "code": 0.5}, "targets": {"web": 0.5, "code": 0.5}}
                for i in range(20)]  # made steps for 20 s, then the window filled  # fmt: skip
-    server = FakeServer(metrics(history=history, real_tokens=19_000))
+    observations = [{"t": now - 40 + 2 * i, "producer": "making" if i < 10 else "window_full",
+                     "lag": {"0": 30 + i}} for i in range(20)]  # what the service saw  # fmt: skip
+    server = FakeServer(metrics(history=history, observations=observations, real_tokens=19_000))
     port = free_port()
     web = uvicorn.Server(uvicorn.Config(create_app(Backend(server)), host="127.0.0.1",
                                         port=port, log_level="warning"))  # fmt: skip
@@ -241,6 +244,8 @@ def test_page_tells_a_full_window_and_a_slow_rank_apart_from_alarms(browser, fak
     assert rank["lag (steps; normal ≤ 64)"] == "57" and not view["warn"]  # within its normal range
     assert "normal: 0–64 steps" in view["lagLegend"]
     assert_one_time_axis(view)
+    # the lag the service saw before the page opened is drawn, on the same axis
+    assert view["plot"]["lag"] >= 20 and view["lagSource"] == "sampled by the service"
     # The same page alarms on what is wrong: a lost rank, a lag above its normal range.
     server.m["ranks"] = RANKS | {"2": RANKS["0"] | {"lag": 90}}
     view = wait_page(browser, lambda v: len(v["ranks"]) == 3, "three ranks")
@@ -341,7 +346,10 @@ def test_live_page_and_metrics_for_a_healthy_slow_rank(browser, slow_service):
         assert not view["alarms"], f"alarms on a healthy slow rank: {view['alarms']}"
         (rank,) = view["ranks"]
         at = int(rank["trains at step"].replace(",", ""))
-        assert consumed[0] - 8 <= at <= consumed[0] + 1, (at, consumed[0])  # a beat and a page tick late
+        assert consumed[0] - 8 <= at <= consumed[0] + 1, (
+            at,
+            consumed[0],
+        )  # a beat and a page tick late
         assert rank["state"] == "ok" and not view["warn"], view
         sign = float(rank["last sign of life"].split()[0])
         assert sign < 4, rank  # it beats, though it fetches every ~5 s
