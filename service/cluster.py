@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from service.protocol import NAMESPACE
+from service.records import live_records, recorded_address
 
 # Every Ray worker runs one tokenizer thread: Ray already runs one worker per core, and a
 # rayon pool per worker would oversubscribe the cores.
@@ -52,10 +53,19 @@ def requested_address(address: str | None) -> str | None:
     return None
 
 
-def client_address(address: str | None) -> str:
-    """The cluster a client (a trainer rank, `tokenmill stop`) joins: the one named, else the
-    only Ray cluster running on this machine. Several is an error, never a guess."""
-    named = requested_address(address)
+def client_address(address: str | None, service: str | None = None) -> str:
+    """The cluster a client (a trainer rank, an adapter, `tokenmill stop/status`) joins, by
+    one rule: the address named (`address`); else service `service`'s record on this
+    machine (`service.records`: what `serve` wrote); else TOKENMILL_RAY_ADDRESS or
+    RAY_ADDRESS; else the only Ray cluster running on this machine. Several is an error that
+    lists them with the services recorded on each, never a guess."""
+    if address:
+        return address
+    if service is not None:
+        recorded = recorded_address(service)
+        if recorded:
+            return recorded
+    named = requested_address(None)
     if named:
         return named
     from ray._private.services import find_gcs_addresses
@@ -63,14 +73,24 @@ def client_address(address: str | None) -> str:
     found = sorted(find_gcs_addresses())
     if len(found) == 1:
         return found[0]
+    wanted = f"service {service!r}" if service else "tokenmill"
     if not found:
         raise ClusterError(
-            "no Ray cluster runs on this machine and none was named: pass the address of the "
-            "cluster that runs tokenmill (address=..., --address, or RAY_ADDRESS)"
+            f"no Ray cluster runs on this machine and no record of {wanted} is here: start "
+            "`tokenmill serve` first, or pass the address of the cluster that runs it "
+            "(address=..., --address, or RAY_ADDRESS)"
         )
+    running: dict[str, list[str]] = {}
+    for name, rec in live_records().items():
+        running.setdefault(str(rec.get("address")), []).append(name)
+    listed = "; ".join(
+        f"{a} (services: {', '.join(running[a])})" if a in running else f"{a} (no service recorded)"
+        for a in found
+    )
     raise ClusterError(
-        f"{len(found)} Ray clusters run on this machine ({', '.join(found)}): say which one "
-        "runs tokenmill with address=..., --address, or RAY_ADDRESS"
+        f"no record of {wanted} on this machine, and {len(found)} Ray clusters run here: "
+        f"{listed}. Name the service that runs (service=...) or the cluster "
+        "(address=..., --address, or RAY_ADDRESS)"
     )
 
 

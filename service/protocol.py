@@ -35,7 +35,11 @@ META_STEP_ROWS = b"step_rows"
 # ranks at once, and a rank that stopped asking is noticed within seconds.
 CONSUMER_GROUP = "consumers"
 CONTROL_GROUP = "control"
-CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16}
+BEAT_GROUP = "beats"  # ranks' liveness beats: never queued behind long polls or the API
+CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16, BEAT_GROUP: 4}
+# A rank's client beats this often at most (more often under a short rank_timeout_s: a
+# quarter of it), with the step it has consumed: liveness follows training, not fetching.
+BEAT_S = 5.0
 POLL_S = 2.0
 # A rank asks for up to this many steps per call (trainer.feed.Feed), and the server's window
 # holds up to this many by default (service.server.prefetch_window): a rank's cost, and the
@@ -55,13 +59,21 @@ STARTING, RUNNING, PAUSED, FINISHED, FAILED, STOPPING = (
 )  # fmt: skip
 
 
+# What the producer does, as `status()["producer"]` and `metrics()["producer"]` report it.
+PRODUCER_STARTING, PRODUCER_MAKING, PRODUCER_WINDOW_FULL = "starting", "making", "window_full"
+PRODUCER_PAUSED, PRODUCER_ENDED, PRODUCER_FAILED = "paused", "ended", "failed"
+PRODUCER_STOPPING = "stopping"
+
+
 @dataclass(frozen=True)
 class Welcome:
-    """The answer to `hello(rank, world_size, state)` (the first hello declares the world):
-    the step this rank pulls first, and the world size the service serves."""
+    """The answer to `hello(rank, world_size, state, client)` (the first hello declares the
+    world): the step this rank pulls first, the world size the service serves, and how often
+    its client beats (`beat(rank, world_size, consumed)`)."""
 
     step: int
     world_size: int
+    beat_s: float = BEAT_S
 
 
 @dataclass(frozen=True)

@@ -3,13 +3,20 @@
 `serve` starts the batch-server actor (owned by this process: when the process dies, Ray
 removes the actor with it), the control API, and a one-second loop that beats the actor's
 heartbeat, appends skipped records to the rejects file and watches for the end. It exits on
-SIGTERM or Ctrl-C, on `tokenmill stop`, when the feed fails, or when the data has ended and
-the ranks have taken every step. Exiting stops production, closes the feed's reads and the
-actor, and takes a few seconds.
+SIGTERM or Ctrl-C, on `tokenmill stop`, when the feed fails, or at the end of the data once
+nothing depends on it any more:
+- every rank of the world has been told the end (it asked past the last step, so it has
+  trained on every step it fetched), or is lost (no sign of life for rank_timeout_s);
+- and, when this process started Ray itself (embedded), every rank's process has left that
+  Ray: a rank's Ray client dies with its cluster ("Failed to connect to GCS"), also after its
+  last step, while it saves its checkpoint.
+Before any rank connects, the end of the data ends nothing: a late rank still finds every
+step. Exiting stops production, closes the feed's reads and the actor, and takes a few seconds.
 
-A service named N also leaves a small file (`$TOKENMILL_CACHE/services/N.json`: the Ray
-address, the pid, the API URL) so that `tokenmill stop/status --name N` find a service whose
-Ray was embedded, without `--address`. The file is removed on exit; a stale one is ignored.
+A service named N also leaves a record (`service.records`: the Ray address, the pid, the API
+URL), claimed atomically before it starts, so that `tokenmill stop/status --name N`,
+`Feed.connect` and the adapters find it without an address, and a second `serve --name N`
+on the machine is refused. The record is removed on exit; a stale one is ignored.
 """
 
 from __future__ import annotations
@@ -25,15 +32,13 @@ import time
 from pathlib import Path
 
 from pipeline.config import REVEAL_SECRETS, Config
-from service.protocol import CONCURRENCY_GROUPS, FAILED, FINISHED, NAMESPACE, SERVICE_NAME, STOPPING
+from service.protocol import CONCURRENCY_GROUPS, FAILED, NAMESPACE, SERVICE_NAME, STOPPING
+from service.records import ServiceExists, alive, claim, local_pid, publish, read_record, release
+from service.records import service_file as service_file
 from service.server import BatchServer
 
 STALE_BEAT_S = 10.0  # a service whose serve process has not beaten for this long is stale
 EXIT_GRACE_S = 2.0
-
-
-class ServiceExists(RuntimeError):
-    pass
 
 
 def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = None,
@@ -93,11 +98,6 @@ def _remove_if_stale(name: str) -> None:
         time.sleep(0.2)
 
 
-def service_file(name: str) -> Path:
-    root = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
-    return root / "services" / f"{name}.json"
-
-
 class RejectsFile:
     """Appends drained rejects to the `service.rejects` file (one JSON object a line)."""
 
@@ -123,12 +123,16 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
     from service.api import Backend, api_token, create_app
     from service.cluster import connect, shutdown
 
-    started = connect(address)
+    record = claim(name)  # before Ray: a second `serve --name N` here is refused at once
+    try:
+        started = connect(address)
+    except BaseException:
+        release(record)
+        raise
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
         signal.signal(sig, lambda *_: stop.set())
     actor = None
-    record = service_file(name)
     try:
         actor = start_server(cfg, name, resume, allow_config_change=allow_config_change)
         host = host or os.environ.get("TOKENMILL_HOST") or cfg.service.host
@@ -141,28 +145,31 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
         threading.Thread(target=server.run, name="tokenmill-api", daemon=True).start()
         url = f"http://{host}:{port}"
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "api": url}
-        record.parent.mkdir(parents=True, exist_ok=True)
         gcs = ray.get_runtime_context().gcs_address
-        record.write_text(json.dumps(owner | {"name": name, "address": gcs}) + "\n")
+        publish(record, owner | {"name": name, "address": gcs})
         rejects = RejectsFile(cfg.service.rejects)
         print(f"tokenmill: serving {name!r} (namespace {NAMESPACE}), API on {url}, Ray at {gcs}"
               + ("" if api_token() else " (mutations disabled: no TOKENMILL_API_TOKEN)"), flush=True)  # fmt: skip
         try:
-            code = _watch(backend, owner, rejects, stop, linger_s)
+            code = _watch(backend, owner, rejects, stop, linger_s, started)
         finally:
             server.should_exit = True
     finally:
         if actor is not None:
             _close(actor)
-        if record.exists() and json.loads(record.read_text()).get("pid") == os.getpid():
-            record.unlink()
+        release(record)
         shutdown(started)
     return code
 
 
 def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,
-           linger_s: float) -> int:  # fmt: skip
-    finished_at, last_print = None, 0.0
+           linger_s: float, embedded: bool = False) -> int:  # fmt: skip
+    """The serve loop: beat, write rejects, log every 10 s, and decide when to exit.
+
+    `linger_s`: after every rank was told the end, how long an embedded Ray waits for rank
+    processes that have not left it, at least (their Ray client dies with it); while any
+    rank's process is still connected it waits on, logging why, until `tokenmill stop`."""
+    drained_at, last_print, last_why = None, 0.0, ""
     while not stop.is_set():
         backend.call("heartbeat", owner)
         rejects.append(backend.call("drain_rejects"))
@@ -170,26 +177,59 @@ def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,
         now = time.time()
         if now - last_print >= 10:
             last_print = now
-            m = backend.call("metrics")
-            print(f"  step {st['global_step']:>7}  {m['tokens_per_s']:>10,.0f} tok/s  "
-                  f"packing {100 * m['packing_efficiency']:.2f}%  lag {m['queue_depth']}  "
-                  f"rejects {m['rejects']}", flush=True)  # fmt: skip
+            print(_progress_line(st, backend.call("metrics")), flush=True)
         if st["state"] == STOPPING:
             print("tokenmill: stopped by request", flush=True)
             return 0
         if st["state"] == FAILED:
             print(f"tokenmill: the feed failed: {st['error']}", file=sys.stderr)
             return 1
-        if st["state"] == FINISHED:
-            m = backend.call("metrics")
-            drained = all(r["lag"] == 0 or r["lost"] for r in m["ranks"].values())
-            finished_at = finished_at or now
-            if drained or now - finished_at > linger_s:
-                print("tokenmill: data ended and ranks drained", flush=True)
+        if st.get("drained"):
+            drained_at = drained_at or now
+            left = _rank_jobs_alive(backend) if embedded else []
+            if not left:
+                print("tokenmill: the data ended and every rank has taken its last step",
+                      flush=True)  # fmt: skip
                 return 0
+            why = (f"tokenmill: the data ended; waiting for {len(left)} rank process(es) to "
+                   "leave this Ray before it stops (`tokenmill stop` ends it now)")  # fmt: skip
+            if why != last_why and now - drained_at >= min(linger_s, 5.0):
+                print(why, flush=True)
+                last_why = why
         stop.wait(1.0)
     print("tokenmill: signal received, stopping", flush=True)
     return 0
+
+
+def _progress_line(st: dict, m: dict) -> str:
+    """One human line: where production is, what it does, and where the ranks are."""
+    ranks = m.get("ranks") or {}
+    consumed = [v["consumed_step"] for v in ranks.values() if v.get("consumed_step") is not None]
+    where = (
+        f"ranks at step {min(consumed)}" + (f"..{max(consumed)}" if max(consumed) != min(consumed) else "")
+        if consumed
+        else f"{st.get('ranks_connected', 0)} rank(s) connected"
+    )  # fmt: skip
+    lost = st.get("lost_ranks") or []
+    return (
+        f"  produced {st['global_step']:>7} steps  {m.get('producer', st['state']):<11}  "
+        f"{m['tokens_per_s']:>12,.0f} tok/s  packing {100 * m['packing_efficiency']:.2f}%  "
+        f"{where}  rejects {m['rejects']}" + (f"  LOST ranks {lost}" if lost else "")
+    )
+
+
+def _rank_jobs_alive(backend) -> list[str]:
+    """The Ray jobs of ranks that are still connected to this (embedded) cluster."""
+    from ray._private import state
+
+    jobs = set(backend.call("rank_jobs"))
+    if not jobs:
+        return []
+    try:
+        table = state.jobs()
+    except Exception:  # the GCS is going away with us: nothing to wait for
+        return []
+    return [j["JobID"] for j in table if j["JobID"] in jobs and not j["IsDead"]]
 
 
 def _close(actor) -> None:
@@ -208,17 +248,24 @@ def _close(actor) -> None:
 
 
 def _find(name: str, address: str | None):
-    """Join the cluster of service `name` and return its actor handle."""
+    """Join the cluster of service `name` (found as a rank finds it: `client_address`) and
+    return its actor handle, or None."""
     import ray
 
-    from service.cluster import client_address, connect
+    from service.cluster import client_address, connect, requested_address
+    from service.records import live_records
 
-    if address is None:
-        address = _recorded_address(name)
-    connect(client_address(address))
+    if address is None and read_record(name) is None and requested_address(None) is None:
+        others = sorted(live_records())
+        print(f"no tokenmill service named {name!r} is recorded on this machine"
+              + (f" (running here: {', '.join(others)})" if others else "")
+              + "; pass --address to look for it on another cluster", file=sys.stderr)  # fmt: skip
+        return None
+    connect(client_address(address, name))
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
+        print(f"no tokenmill service named {name!r}", file=sys.stderr)
         return None
 
 
@@ -230,7 +277,6 @@ def run_status(name: str, address: str | None, as_json: bool = False) -> int:
     try:
         actor = _find(name, address)
         if actor is None:
-            print(f"no tokenmill service named {name!r}", file=sys.stderr)
             return 1
         st = ray.get(actor.status.remote(), timeout=10)
         m = ray.get(actor.metrics.remote(), timeout=10)
@@ -247,9 +293,14 @@ def run_status(name: str, address: str | None, as_json: bool = False) -> int:
     )
     print(f"rate      {m['tokens_per_s']:,.0f} tok/s  packing {100 * m['packing_efficiency']:.2f}%  "
           f"held steps {m['held_steps']}/{m['prefetch']}  rejects {m['rejects']}")  # fmt: skip
+    print(f"producer  {m.get('producer', '?')}")
     for r, v in m["ranks"].items():
-        print(f"rank {r:>4}  next {v['next_step']:>7}  lag {v['lag']:>4}  "
-              f"wait {v['wait_s_last_60s']:.2f}s/60s" + ("  LOST" if v["lost"] else ""))  # fmt: skip
+        at = v.get("consumed_step")
+        sign = v.get("last_sign_s_ago")
+        print(f"rank {r:>4}  at step {'?' if at is None else at:>7}  fetched {v['next_step']:>7}  "
+              f"lag {v['lag']:>4}  seen {'-' if sign is None else f'{sign:.0f}s ago'}  "
+              f"wait {v['wait_s_last_60s']:.2f}s/60s" + ("  LOST" if v["lost"] else "")
+              + ("  ended" if v.get("ended") else ""))  # fmt: skip
     if st["error"]:
         print(f"error     {st['error']}")
     return 0
@@ -264,17 +315,17 @@ def run_stop(name: str, address: str | None, timeout_s: float = 15.0) -> int:
     try:
         actor = _find(name, address)
         if actor is None:
-            print(f"no tokenmill service named {name!r}", file=sys.stderr)
             return 1
         with contextlib.suppress(Exception):
             ray.get(actor.request_stop.remote(), timeout=5)
-        pid = _local_serve_pid(name)
+        rec = read_record(name)
+        pid = None if rec is None else local_pid(rec)
         if pid is not None:  # its Ray may go with it: watch the process, not the cluster
             shutdown(True)
             deadline = time.time() + timeout_s
-            while time.time() < deadline and _alive(pid):
+            while time.time() < deadline and alive(pid):
                 time.sleep(0.25)
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 print(f"tokenmill: {name!r} did not exit within {timeout_s:.0f}s; killed pid {pid}")
             else:
@@ -293,42 +344,3 @@ def run_stop(name: str, address: str | None, timeout_s: float = 15.0) -> int:
         return 0
     finally:
         shutdown(True)
-
-
-def _recorded_address(name: str) -> str | None:
-    """The Ray address in service `name`'s record, unless the record is stale (its serve
-    process ran on this machine and is gone: a SIGKILL leaves the file behind)."""
-    try:
-        rec = json.loads(service_file(name).read_text())
-    except (OSError, ValueError):
-        return None
-    if rec.get("host") == socket.gethostname() and _local_serve_pid(name) is None:
-        service_file(name).unlink(missing_ok=True)
-        return None
-    return rec.get("address")
-
-
-def _local_serve_pid(name: str) -> int | None:
-    """The pid of service `name`'s serve process if it runs on this machine."""
-    try:
-        rec = json.loads(service_file(name).read_text())
-    except (OSError, ValueError):
-        return None
-    pid = rec.get("pid")
-    if rec.get("host") == socket.gethostname() and isinstance(pid, int) and _alive(pid):
-        return pid
-    return None
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie, exited but not yet reaped by its parent, is not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

@@ -32,10 +32,21 @@ from pipeline.states import StateError
 from pipeline.summary import summarize
 from service.producer import Producer
 from service.protocol import (
+    BEAT_S,
+    FAILED,
+    FINISHED,
     LINGER_S,
     LOOKAHEAD,
     POLL_S,
+    PRODUCER_ENDED,
+    PRODUCER_FAILED,
+    PRODUCER_MAKING,
+    PRODUCER_PAUSED,
+    PRODUCER_STARTING,
+    PRODUCER_STOPPING,
+    PRODUCER_WINDOW_FULL,
     REPLY_BYTES,
+    STARTING,
     STOPPING,
     WINDOW_BYTES,
     StepGone,
@@ -94,6 +105,7 @@ class BatchServer:
         self._seek_lock = threading.Lock()  # ranks resuming together restart the feed once
         self._seeked: dict | None = None
         self._hungry: dict[int, bool] = {}  # rank -> its last answer waited for the producer
+        self._rank_jobs: dict[int, str] = {}  # rank -> its Ray job id (hello's `client`)
         self._start_feed(state, allow_config_change)
 
     # -- production -------------------------------------------------------------------------
@@ -148,11 +160,27 @@ class BatchServer:
 
     # -- consumers (concurrency group `consumers`) --------------------------------------------
 
-    def hello(self, rank: int, world_size: int, state: dict | None = None) -> Welcome:
-        """A rank joins (the first declares the world), optionally resuming from `state`."""
+    def hello(
+        self, rank: int, world_size: int, state: dict | None = None, client: dict | None = None
+    ) -> Welcome:
+        """A rank joins (the first declares the world), optionally resuming from `state`.
+
+        What cannot be served is refused before anything changes: a world size that does not
+        divide G (so never more than G ranks, and rank-keyed state stays within G entries), a
+        rank outside it, a state that is not an object. Only then may a resume restart the
+        feed. `client`: the rank's Ray job id, so that `serve` keeps an embedded Ray up
+        until that job has left (`rank_jobs`)."""
+        self._check_world(world_size)
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank!r} is outside world size {world_size}")
+        if state is not None and not isinstance(state, dict):
+            raise StateError(f"resume state must be a JSON object, got {type(state).__name__}")
         if state is not None:
             self.seek(state)
         with self._cond:
+            job = (client or {}).get("job_id")
+            if isinstance(job, str) and len(job) <= 64:
+                self._rank_jobs[rank] = job
             self.window.declare(rank, world_size, resuming=state is not None)
             r = self.window.ranks[rank]
             if state is not None:  # it may have pulled past its checkpoint before it stopped
@@ -162,7 +190,29 @@ class BatchServer:
                 first = r.next
             self._cond.notify_all()
             assert self.window.world is not None  # declare() above set it
-            return Welcome(first, self.window.world)
+            return Welcome(first, self.window.world, self.beat_s)
+
+    @property
+    def beat_s(self) -> float:
+        """How often a rank's client beats: well inside the timeout, at most every BEAT_S."""
+        t = self.rank_timeout_s
+        return BEAT_S if t is None else max(0.2, min(BEAT_S, t / 4))
+
+    def beat(self, rank: int, world_size: int, consumed: int) -> bool:
+        """A rank is alive and has consumed every step before `consumed` (its client's beat
+        thread, group `beats`). False: it is not a rank of the world served (any more)."""
+        with self._cond:
+            return self.window.beat(rank, world_size, consumed)
+
+    def rank_jobs(self) -> list[str]:
+        """The Ray job ids of the ranks that said hello (at most one per rank)."""
+        with self._cond:
+            return sorted(set(self._rank_jobs.values()))
+
+    def drained(self) -> bool:
+        """The data has ended and every rank of the world was told so (or is lost)."""
+        with self._cond:
+            return self.producer.ended and self.window.drained()
 
     def get(
         self, rank: int, world_size: int, step: int, wait_s: float = POLL_S, count: int = 1
@@ -215,6 +265,7 @@ class BatchServer:
                 if self._stop_requested:
                     return StepReply("stopped")
                 if self.producer.ended:
+                    self.window.end(rank)
                     return StepReply("end")
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -233,8 +284,11 @@ class BatchServer:
 
     def _check_world(self, world_size: int) -> None:
         G = self.cfg.global_batch_size
-        if world_size < 1 or G % world_size:
-            raise ValueError(f"world size {world_size} does not divide global_batch_size {G}")
+        if not isinstance(world_size, int) or world_size < 1 or G % world_size:
+            raise ValueError(
+                f"world size {world_size!r} does not divide global_batch_size {G}: "
+                "every rank gets G/W rows of each step"
+            )
 
     def _why_waiting(self) -> str:
         if self.producer.paused:
@@ -249,6 +303,9 @@ class BatchServer:
         return f"waiting for rank(s) {slow} (prefetch window of {self.prefetch} steps is full)"
 
     def report_wait(self, rank: int, seconds: float) -> None:
+        with self._cond:
+            if rank not in self.window.ranks:  # rank-keyed telemetry stays within the world
+                return
         self.telemetry.report_wait(rank, seconds)
 
     def state(self, step: int | None = None) -> dict:
@@ -338,12 +395,33 @@ class BatchServer:
                 "step": self.feed.step,
             }
 
+    def producer_state(self) -> str:
+        """What the producer does now (under the lock): `making` a step, `window_full` (every
+        rank has `prefetch` steps unconsumed ahead of it: the normal state of a data plane
+        faster than its trainer), `paused`, `ended`, `failed`, `stopping` or `starting`."""
+        if self._stop_requested:
+            return PRODUCER_STOPPING
+        p = self.producer
+        if p.state == FAILED:
+            return PRODUCER_FAILED
+        if p.state == FINISHED:
+            return PRODUCER_ENDED
+        if p.paused:
+            return PRODUCER_PAUSED
+        if p.state == STARTING and not p.busy:
+            return PRODUCER_STARTING
+        if not p.busy and not self.window.room():
+            return PRODUCER_WINDOW_FULL
+        return PRODUCER_MAKING
+
     def status(self) -> dict:
         with self._cond:
             ranks = self.window.rank_view()
             beat = self._owner.get("beat")
             return {
                 "state": STOPPING if self._stop_requested else self.producer.state,
+                "producer": self.producer_state(),
+                "drained": self.producer.ended and self.window.drained(),
                 "error": self.producer.error,
                 "streams": list(self.cfg.streams),
                 "world_size": self.window.world,
@@ -371,6 +449,8 @@ class BatchServer:
             return {
                 "tokens_per_s": tok_rate,
                 "batches_per_s": row_rate / self.cfg.global_batch_size,
+                "producer": self.producer_state(),
+                "lag_normal_max": self.prefetch + LOOKAHEAD,
                 "global_step": self.window.produced,
                 "held_steps": len(self.window.steps),
                 "prefetch": self.prefetch,

@@ -10,10 +10,19 @@ starts the world again at that state's step.
 
 Retention. A step is held until every live rank of the world has taken it, whatever the order
 and timing of their requests: a rank that connects minutes late, or one that pulls K micro-steps
-before the first collective, finds every step it has not taken yet. A rank not heard from for
-`rank_timeout_s` is lost (`None`: never): it stops holding steps back, and if it returns for a
-step that was released meanwhile it gets a `StepGone` that names the timeout. A lost rank that
-returns for a step still held simply carries on.
+before the first collective, finds every step it has not taken yet.
+
+Liveness follows training, not pulling. A rank fetches up to 32 steps per call and then trains
+on them for as long as they take; its client beats (`beat`, from a thread, every few seconds)
+with the step it has consumed. Any call or beat is a sign of life. A rank with no sign of life
+for `rank_timeout_s` is lost (`None`: never): a killed process, a hung host. A rank that trains
+slowly is never lost. A lost rank stops holding steps back, and if it returns for a step that
+was released meanwhile it gets a `StepGone` that names the timeout; one that returns for a step
+still held simply carries on.
+
+Where a rank is: `next` is the first step it has not fetched, `consumed` the first it has not
+trained on (its client's last report), so `next - consumed` steps sit in its buffer. Lag is
+steps consumed behind produced; its normal range reaches the window plus one fetch.
 
 Flow control. The producer may run `prefetch` steps ahead of the slowest live rank and no
 further, so at most `prefetch` global steps (prefetch x world x micro-batch rows) are held.
@@ -34,9 +43,11 @@ from service.protocol import StepGone, WorldMismatch
 
 @dataclass
 class RankState:
-    next: int  # the first step this rank has not taken
-    seen: float  # clock of its last request (or of the world's declaration)
+    next: int  # the first step this rank has not fetched
+    seen: float  # clock of its last sign of life: a request, a beat, the world's declaration
     connected: bool = False
+    consumed: int | None = None  # the first step it has not trained on, as its client reports
+    ended: bool = False  # it was told the data has ended (it had fetched every step)
 
 
 class StepWindow:
@@ -116,6 +127,32 @@ class StepWindow:
     def touch(self, rank: int) -> None:
         self.ranks[rank].seen = self.clock()
 
+    def beat(self, rank: int, world_size: int, consumed: int) -> bool:
+        """A sign of life from rank `rank`, which has consumed every step before `consumed`.
+        False if it belongs to another world than the one served (it must reconnect)."""
+        if self.world is None or world_size != self.world or not 0 <= rank < self.world:
+            return False
+        r = self.ranks[rank]
+        r.seen = self.clock()
+        r.connected = True
+        r.consumed = min(int(consumed), r.next)
+        return True
+
+    def end(self, rank: int) -> None:
+        """Rank `rank` was told the data has ended: it had fetched and consumed every step
+        (it asks past its buffer only when the buffer is spent)."""
+        r = self.ranks[rank]
+        r.ended = True
+        r.consumed = r.next
+        r.seen = self.clock()
+
+    def drained(self) -> bool:
+        """Has every rank of the declared world been told the end (or been lost)? False
+        before a world is declared: a rank connecting late must still find every step."""
+        if self.world is None:
+            return False
+        return all(r.ended or self.lost(k) for k, r in self.ranks.items())
+
     def take(self, rank: int, world_size: int, step: int) -> Any | None:
         """Rank `rank`'s request for `step`: the payload, or None if not produced yet.
 
@@ -152,14 +189,24 @@ class StepWindow:
     # -- telemetry ----------------------------------------------------------------------------
 
     def rank_view(self) -> dict[int, dict]:
+        """Per rank: fetched and consumed step, buffered steps, lag (consumed behind produced),
+        and its last sign of life. `next_step`, `seen_s_ago` are the older names of
+        `fetched_step`, `last_sign_s_ago`."""
         now = self.clock()
-        return {
-            k: {
-                "next_step": r.next,
-                "lag": max(0, self.produced - r.next),
+        view = {}
+        for k, r in sorted(self.ranks.items()):
+            at = r.next if r.consumed is None else r.consumed
+            sign = now - r.seen if r.connected else None
+            view[k] = {
+                "fetched_step": r.next,
+                "consumed_step": r.consumed,
+                "buffered": r.next - at,
+                "lag": max(0, self.produced - at),
                 "lost": self.lost(k),
                 "connected": r.connected,
-                "seen_s_ago": now - r.seen if r.connected else None,
+                "ended": r.ended,
+                "last_sign_s_ago": sign,
+                "next_step": r.next,
+                "seen_s_ago": sign,
             }
-            for k, r in sorted(self.ranks.items())
-        }
+        return view

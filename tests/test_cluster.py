@@ -85,14 +85,13 @@ def test_wrong_or_missing_token_is_one_clear_line_within_10s(foreign, config, tm
 
 
 def test_feed_connect_refuses_to_guess_between_clusters(foreign, ray_cluster):
-    """The session's cluster and the foreign one both run here: no address is ambiguous."""
+    """The session's cluster and the foreign one both run here, and no service 'x' is
+    recorded: no address is ambiguous, and the error lists the clusters."""
     code = "from trainer.feed import Feed; Feed.connect(service='x', timeout_s=5)"
     r = subprocess.run([sys.executable, "-c", code], env=foreign["env"], capture_output=True,
                        text=True, timeout=60)  # fmt: skip
     assert r.returncode != 0
-    assert (
-        "Ray clusters run on this machine" in r.stderr and foreign["gcs"].split(":")[1] in r.stderr
-    )
+    assert "Ray clusters run here" in r.stderr and foreign["gcs"].split(":")[1] in r.stderr
 
 
 def test_serve_on_the_token_cluster_then_stop_sigkill_and_restart(foreign, config, tmp_path):

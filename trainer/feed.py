@@ -6,6 +6,15 @@
         feed.report_wait(seconds)
     state = feed.state_dict()     # store in the checkpoint; Feed.connect(..., state=state) resumes
 
+Finding the service: `address` if given, else the service's record on this machine (what
+`tokenmill serve --name N` wrote, as `tokenmill status` finds it), else RAY_ADDRESS, else the
+one Ray cluster running here (`service.cluster.client_address`).
+
+Liveness: a thread beats every few seconds with the step this rank has consumed, so a rank
+that trains slowly on the steps it fetched (up to 32 per call) is never declared lost; only
+one with no sign of life for `service.rank_timeout_s` (a killed process) is. At the end of
+the data every rank receives every step, then `StopIteration`.
+
 The first rank to connect declares the world size; the service holds every step until all
 ranks of that world have taken it, so ranks may connect in any order, minutes apart, and pull
 several micro-steps ahead of one another (gradient accumulation). While the step it asks for
@@ -31,6 +40,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from service.protocol import (
+    BEAT_GROUP,
     CONSUMER_GROUP,
     CONTROL_GROUP,
     LOOKAHEAD,
@@ -105,20 +115,50 @@ class Feed:
         self.lookahead = self.LOOKAHEAD
         self._ahead: Iterator[dict] = iter(())  # fetched, not yet consumed: self.step, ...
         self.calls = 0  # `get` calls made (a rank's cost is mostly per call, not per step)
+        self._beating = threading.Event()  # set: the beat thread stops
+        self._beater: threading.Thread | None = None
+
+    def _start_beats(self, every_s: float) -> None:
+        """Beat from a daemon thread every `every_s` with the step this rank has consumed.
+
+        The thread reads `self.step` (an int the training thread rebinds; a stale read only
+        reports one step less) and owns nothing else. It ends on `close`, at the end of the
+        data, or when the service is gone; a beat is fire-and-forget, so a slow service
+        never holds the thread up, and a training step never waits on a beat."""
+        import ray
+
+        server, rank, world = self.server, self.rank, self.world_size
+        beat = server.beat.options(concurrency_group=BEAT_GROUP)
+
+        def run() -> None:
+            pending = None
+            while not self._beating.wait(every_s):
+                try:
+                    if pending is not None:  # the last beat's answer: another world, or gone
+                        done, _ = ray.wait([pending], timeout=0)
+                        if done and ray.get(done[0]) is False:
+                            return
+                    pending = beat.remote(rank, world, self.step)
+                except Exception:  # the service or Ray is gone: calls will say so
+                    return
+
+        self._beater = threading.Thread(target=run, name=f"tokenmill-beat-{rank}", daemon=True)
+        self._beater.start()
 
     @classmethod
     def connect(cls, service: str = SERVICE_NAME, rank: int = 0, world_size: int = 1,
                 address: str | None = None, state: dict | None = None,
                 timeout_s: float = 60.0) -> Feed:  # fmt: skip
-        """Join the service's cluster (`address`, else RAY_ADDRESS, else the one Ray cluster
-        running on this machine) and say hello as rank `rank` of `world_size`."""
+        """Join the service's cluster (`address`, else the service's record on this machine,
+        else RAY_ADDRESS, else the one Ray cluster running here) and say hello as rank `rank`
+        of `world_size`; beats start (see the module's docstring)."""
         import ray
 
         from service.cluster import client_address, connect
 
         with _CONNECT_LOCK:  # ranks may be threads of one process (tests, simulators)
             if not ray.is_initialized():
-                connect(client_address(address))
+                connect(client_address(address, service))
         deadline = time.time() + timeout_s
         while True:
             try:
@@ -131,8 +171,10 @@ class Feed:
                     ) from None
                 time.sleep(0.5)
         feed = cls(server, rank, world_size, 0, timeout_s)
-        welcome = feed._call("hello", rank, world_size, state, group=CONSUMER_GROUP)
+        client = {"job_id": ray.get_runtime_context().get_job_id()}
+        welcome = feed._call("hello", rank, world_size, state, client, group=CONSUMER_GROUP)
         feed.step = welcome.step
+        feed._start_beats(welcome.beat_s)
         return feed
 
     def _call(self, method: str, *args, group: str = CONTROL_GROUP, timeout_s: float | None = None):
@@ -179,6 +221,7 @@ class Feed:
             if reply.ready:
                 break
             if reply.status == "end":
+                self._beating.set()  # told the end: nothing holds this rank any more
                 raise StopIteration
             if reply.status == "stopped":
                 raise FeedError(
@@ -208,4 +251,5 @@ class Feed:
         return self._call("state", self.step)
 
     def close(self) -> None:
+        self._beating.set()
         self.server = None
