@@ -4,12 +4,33 @@ Text and messages come out as Python objects (`to_pylist`). Token ids (`tokens_f
 `list<int>` (large or fixed-size) column come out as numpy views of the column's values, one
 per row, with no per-token Python objects; anything else falls back to Python objects, which the
 token validator (pipeline/reading.py) then rejects with the type it found.
+
+Booleans are not token ids: numpy reads `[1, true]` as `[1, 1]`, so a list of Python values
+(JSON, an MDS `json` column, an Arrow union) that holds one is refused here (`bool_ids`),
+before it reaches numpy.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+
+
+def bool_ids(value) -> str | None:
+    """Why a list of Python values read as token ids is bad when it holds a boolean, else
+    None. One C-speed pass over the element types (`map(type, ...)`), not a Python loop."""
+    if isinstance(value, list | tuple) and bool in set(map(type, value)):
+        at = next(i for i, v in enumerate(value) if isinstance(v, bool))
+        return f"field holds a boolean ({value[at]!r} at index {at}): booleans are not token ids"
+    return None
+
+
+def column_records(col: pa.Array | pa.ChunkedArray, tokens: bool, first: int):
+    """(record index, value, None) for each row of `col`, the first numbered `first`; a row
+    of token ids holding a boolean is (index, None, why) instead."""
+    for i, value in enumerate(column_values(col, tokens), first):
+        bad = bool_ids(value) if tokens and isinstance(value, list) else None
+        yield (i, None, bad) if bad else (i, value, None)
 
 
 def column_values(col: pa.Array | pa.ChunkedArray, tokens: bool) -> list:

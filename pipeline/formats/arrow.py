@@ -11,6 +11,13 @@ and a larger batch is cut into row ranges of about that size. `meta` holds where
 (`batch`, and `row`, that batch's first row): the file format seeks straight to that batch,
 the stream format reads past the ones before it. Planning reads each file once to count rows
 per batch (memory-mapped when local, so only the headers are touched; a remote file is read).
+
+A damaged file keeps its complete batches, as a truncated `.jsonl.gz` keeps its complete lines:
+planning covers the batches read before the damage, and one more piece, `meta["damage"]`,
+whose read is one reject at the first row not read, naming what went wrong. A file-format file
+whose footer cannot be read (a truncated copy) is read as the IPC stream it begins with (the
+file format is "ARROW1", padding, a stream, a footer), and its missing footer is that reject:
+batches after the cut, if any, are lost, and the count says so.
 """
 
 from __future__ import annotations
@@ -21,13 +28,14 @@ import json
 import pyarrow as pa
 
 from pipeline.formats import Format, ReadSpec
-from pipeline.formats._columns import column_values
+from pipeline.formats._columns import column_records
 from pipeline.sources import Access, Piece, PieceError, _is_url
 
 STATE = "state.json"
 INFO = "dataset_info.json"
 DICT = "dataset_dict.json"  # a DatasetDict: one save_to_disk directory per split
 _FILE_MAGIC = b"ARROW1"
+_FILE_STREAM_AT = 8  # the file format's stream begins after the magic and its padding
 
 
 class Arrow(Format):
@@ -59,20 +67,24 @@ class Arrow(Format):
         if piece.meta is None:  # planning could not read the file: say why
             with _reader(piece.path, spec.access):
                 raise PieceError("Arrow IPC file could not be read when the stream was planned")
+        if "damage" in piece.meta:  # the rest of a damaged file: one reject
+            yield piece.start, None, piece.meta["damage"]
+            return
         field = spec.field
-        with _reader(piece.path, spec.access) as (reader, is_file):
+        with _reader(piece.path, spec.access) as (reader, is_file, _):
             names = reader.schema.names
             if field not in names:
                 raise PieceError(f"missing column {field!r} (columns: {names})")
             row = piece.meta["row"]
-            for batch in _batches_from(reader, is_file, piece.meta["batch"]):
-                if row >= piece.end:
+            batches = _batches_from(reader, is_file, piece.meta["batch"])
+            while row < piece.end:  # never read the batch past the piece: it may be the damage
+                batch = next(batches, None)
+                if batch is None:
                     break
                 lo, hi = max(piece.start, row), min(piece.end, row + batch.num_rows)
                 if hi > lo:
                     col = batch.slice(lo - row, hi - lo).column(field)
-                    for i, value in enumerate(column_values(col, spec.tokens)):
-                        yield lo + i, value, None
+                    yield from column_records(col, spec.tokens, lo)
                 row += batch.num_rows
 
 
@@ -102,7 +114,8 @@ def _data_files(fs, state_path: str) -> list[str]:
 
 @contextlib.contextmanager
 def _reader(path: str, access: Access):
-    """(reader, whether it is the IPC file format); any failure is a PieceError."""
+    """(reader, whether it is the IPC file format, why a file-format file is read as its
+    stream or None); any failure is a PieceError."""
     with contextlib.ExitStack() as stack:
         try:
             if _is_url(path):
@@ -111,11 +124,21 @@ def _reader(path: str, access: Access):
                 source = stack.enter_context(pa.memory_map(path))
             is_file = source.read(len(_FILE_MAGIC)) == _FILE_MAGIC
             source.seek(0)
-            reader = pa.ipc.open_file(source) if is_file else pa.ipc.open_stream(source)
+            footer = None
+            if is_file:
+                try:
+                    reader = pa.ipc.open_file(source)
+                except (pa.ArrowException, OSError, ValueError) as e:
+                    footer = f"{type(e).__name__}: {e}"
+                    is_file = False
+                    source.seek(_FILE_STREAM_AT)
+                    reader = pa.ipc.open_stream(source)
+            else:
+                reader = pa.ipc.open_stream(source)
         except Exception as e:
             raise PieceError(f"corrupt or unreadable Arrow IPC: {type(e).__name__}: {e}") from e
         try:
-            yield reader, is_file
+            yield reader, is_file, footer
         except PieceError:
             raise
         except (pa.ArrowException, OSError, ValueError) as e:
@@ -134,7 +157,7 @@ def _batches_from(reader, is_file: bool, first: int):
 
 def _plan_file(fi: int, path: str, piece_bytes: int, access: Access) -> list[Piece]:
     try:
-        sizes = _batch_sizes(path, access)
+        sizes, damage = _batch_sizes(path, access)
     except PieceError:
         return [Piece(fi, path, "arrow", 0, 0, -1, 0)]  # meta None: the read reports it
     pieces: list[Piece] = []
@@ -164,9 +187,34 @@ def _plan_file(fi: int, path: str, piece_bytes: int, access: Access) -> list[Pie
         row += rows
     if open_piece is not None:
         close(row)
+    if damage is not None:  # the complete batches are pieces above; the rest is one reject
+        meta = {"batch": len(sizes), "row": row, "damage": damage}
+        pieces.append(Piece(fi, path, "arrow", row, row, row, 0, meta))
     return pieces or [Piece(fi, path, "arrow", 0, 0, 0, 0, {"batch": 0, "row": 0})]
 
 
-def _batch_sizes(path: str, access: Access) -> list[tuple[int, int]]:
-    with _reader(path, access) as (reader, is_file):
-        return [(b.num_rows, b.nbytes) for b in _batches_from(reader, is_file, 0)]
+def _batch_sizes(path: str, access: Access) -> tuple[list[tuple[int, int]], str | None]:
+    """(rows, bytes) of every complete record batch, and why the file ends early (None: it
+    does not). A schema that cannot be read raises PieceError: no batch is complete."""
+    sizes: list[tuple[int, int]] = []
+    cut: str | None = None
+    with _reader(path, access) as (reader, is_file, footer):
+        batches = _batches_from(reader, is_file, 0)
+        while True:
+            try:
+                batch = next(batches, None)
+            except (pa.ArrowException, OSError, ValueError) as e:
+                cut = f"{type(e).__name__}: {e}"
+                break
+            if batch is None:
+                break
+            sizes.append((batch.num_rows, batch.nbytes))
+    if cut is None and footer is None:
+        return sizes, None
+    rows = sum(n for n, _ in sizes)
+    why = (f"the batch after them is damaged ({cut})" if cut is not None
+           else f"no readable footer ({footer}), so any batches after them are lost")  # fmt: skip
+    return sizes, (
+        f"truncated or corrupt Arrow IPC: {len(sizes)} complete record batches ({rows} rows) "
+        f"were read, then {why}"
+    )

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from pipeline.config import MAX_RECORD_BYTES
 from pipeline.formats import Format, ReadSpec
+from pipeline.formats._columns import bool_ids
 from pipeline.sources import Access, Piece, PieceError, open_or_fail
 
 _CHUNK = 1 << 20  # bytes read at a time: memory per reader is this plus one record
@@ -31,7 +32,7 @@ class Jsonl(Format):
             return super().plan_file(fi, path, size, piece_bytes, max_record, access)
 
     def read(self, piece: Piece, spec: ReadSpec):
-        return _read_jsonl(piece, spec.field, spec.access)
+        return _read_jsonl(piece, spec.field, spec.access, spec.tokens)
 
 
 FORMAT = Jsonl()
@@ -170,7 +171,7 @@ def _lines(f, limit: int, max_record: int, detect_cr: bool) -> Iterator[tuple[by
         yield b"".join(carry), ""  # a last line without a line ending
 
 
-def _read_jsonl(piece: Piece, field: str, access: Access):
+def _read_jsonl(piece: Piece, field: str, access: Access, tokens: bool = False):
     f = open_or_fail(piece.path, access)
     with f:
         try:
@@ -207,4 +208,6 @@ def _read_jsonl(piece: Piece, field: str, access: Access):
             if field not in obj:
                 yield rec, None, f"missing field {field!r}"
                 continue
-            yield rec, obj[field], None
+            value = obj[field]
+            why = bool_ids(value) if tokens else None
+            yield (rec, None, why) if why else (rec, value, None)

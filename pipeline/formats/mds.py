@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.formats import Format, ReadSpec
+from pipeline.formats._columns import bool_ids
 from pipeline.sources import Access, Piece, PieceError
 
 INDEX = "index.json"
@@ -57,7 +58,9 @@ class Mds(Format):
 
     def read(self, piece: Piece, spec: ReadSpec):
         for i, sample, err in iter_samples(piece, (spec.field,), spec.access):
-            yield i, None if sample is None else sample[spec.field], err
+            value = None if sample is None else sample[spec.field]
+            bad = bool_ids(value) if spec.tokens else None  # a `json` column's [1, true]
+            yield (i, None, bad) if bad else (i, value, err)
 
 
 FORMAT = Mds()

@@ -8,7 +8,7 @@ footer. A footer that cannot be read becomes one piece with `start = -1`, whose 
 from __future__ import annotations
 
 from pipeline.formats import Format, ReadSpec
-from pipeline.formats._columns import column_values
+from pipeline.formats._columns import column_records
 from pipeline.sources import Access, Piece, PieceError, open_or_fail
 
 
@@ -37,8 +37,7 @@ class Parquet(Format):
                 raise
             except Exception as e:
                 raise PieceError(f"corrupt or unreadable Parquet: {type(e).__name__}: {e}") from e
-        for i, value in enumerate(column_values(col, spec.tokens)):
-            yield piece.first_record + i, value, None
+        yield from column_records(col, spec.tokens, piece.first_record)
 
 
 FORMAT = Parquet()
