@@ -34,16 +34,22 @@ turn into (issue 13: no bad input may lose good data):
   `dataset_info.json`, an export's `summary.json`) are never read as records of another format.
 
 Secrets: `storage_options` reach fsspec through `Access` and nowhere else; its `repr` shows
-the keys only (pipeline/config.py `redact`).
+the keys only (pipeline/config.py `redact`). What fsspec, s3fs and botocore raise can quote an
+option whole ("Could not connect to the endpoint URL: http://host:9000/bucket...",
+"Provided region_name 'x' doesn't match"), so every message that leaves this module with
+such an error in it, a reject's reason or an error resolving, planning or reading a stream,
+goes through `Access.scrub`: each option's value is replaced by its key's name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import fsspec
 
@@ -80,6 +86,28 @@ class Access:
     def __repr__(self) -> str:
         return f"Access(storage_options={redact(self.storage_options)})"
 
+    def scrub(self, message: str) -> str:
+        """`message` with every storage option's value in it replaced by the option's name
+        (`<storage_options.endpoint_url>`), longest first; an URL's host:port too, as
+        botocore quotes it in its own URLs. Values shorter than 4 characters, numbers and
+        booleans are left: they name nothing, and replacing them would garble the message."""
+        for value, key in _secrets(self.storage_options):
+            message = message.replace(value, f"<storage_options.{key}>")
+        return message
+
+    @contextlib.contextmanager
+    def scrubbing(self, what: str):
+        """Errors raised inside as ValueError(`what`: the error, scrubbed) when their message
+        quotes a storage option; others as they were."""
+        try:
+            yield
+        except Exception as e:
+            text = f"{type(e).__name__}: {e}"
+            clean = self.scrub(text)
+            if clean == text:
+                raise
+            raise ValueError(f"{what}: {clean}") from None
+
     def _opts(self, path: str) -> dict:
         return {} if _is_local_url(path) else dict(self.storage_options)
 
@@ -114,6 +142,25 @@ class Access:
                 return f.read(len(magic)) == magic
         with open(path, "rb") as f:
             return f.read(len(magic)) == magic
+
+
+def _secrets(options: Any, key: str = "") -> list[tuple[str, str]]:
+    """(value, dotted key) for every string in `options` (nested: `config_kwargs`,
+    `client_kwargs`), and the host:port of each URL among them, longest value first."""
+    out: list[tuple[str, str]] = []
+    if isinstance(options, Mapping):
+        for k, v in options.items():
+            out += _secrets(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(options, list | tuple):
+        for i, v in enumerate(options):
+            out += _secrets(v, f"{key}.{i}")
+    elif isinstance(options, str) and len(options) >= 4:
+        out.append((options, key))
+        with contextlib.suppress(ValueError):
+            host = urlsplit(options).netloc
+            if len(host) >= 4 and host != options:
+                out.append((host, f"{key} host"))
+    return sorted(out, key=lambda pair: -len(pair[0]))
 
 
 def open_file(path: str, mode: str = "rb", access: Access | None = None):
@@ -208,9 +255,14 @@ def resolve_stream_files(stream, base: Path) -> tuple[list[str], str]:
     files; their shards are listed when planning. Raises ValueError naming the pattern that
     matched nothing, or files of no single known format.
     """
+    access = Access.of(stream)
+    with access.scrubbing("cannot resolve the stream's paths"):
+        return _resolve(stream, base, access)
+
+
+def _resolve(stream, base: Path, access: Access) -> tuple[list[str], str]:
     from pipeline import formats
 
-    access = Access.of(stream)
     given = None if stream.format is None else formats.get(stream.format)
     groups: dict[str, tuple[list[str], str | None]] = {}  # sort key -> (files, format)
     for pattern in stream.paths:
@@ -311,7 +363,9 @@ def data_files(files: list[str], fmt: str, access: Access | None = None) -> list
     """The files that `file_index` numbers (MDS: the shards of the listed indexes)."""
     from pipeline import formats
 
-    return formats.get(fmt).data_files(files, access or Access())
+    access = access or Access()
+    with access.scrubbing("cannot list the data files"):
+        return formats.get(fmt).data_files(files, access)
 
 
 def plan_pieces(
@@ -328,7 +382,9 @@ def plan_pieces(
     """
     from pipeline import formats
 
-    return formats.get(fmt).plan(files, piece_bytes, max_record, access or Access())
+    access = access or Access()
+    with access.scrubbing("cannot plan the stream's pieces"):
+        return formats.get(fmt).plan(files, piece_bytes, max_record, access)
 
 
 def read_piece(piece: Piece, spec) -> Iterator[tuple[int, Any, str | None]]:
@@ -338,10 +394,19 @@ def read_piece(piece: Piece, spec) -> Iterator[tuple[int, Any, str | None]]:
 
     if isinstance(spec, str):
         spec = formats.ReadSpec(spec)
-    try:
-        yield from formats.get(piece.fmt).read(piece, spec)
-    except PieceError as e:
-        yield WHOLE_FILE, None, str(e)
+    access = spec.access
+    if not access.storage_options:  # nothing to hide: the records as they come
+        try:
+            yield from formats.get(piece.fmt).read(piece, spec)
+        except PieceError as e:
+            yield WHOLE_FILE, None, str(e)
+        return
+    with access.scrubbing(f"cannot read {piece.path}"):
+        try:
+            for rec, value, err in formats.get(piece.fmt).read(piece, spec):
+                yield rec, value, err if err is None else access.scrub(err)
+        except PieceError as e:
+            yield WHOLE_FILE, None, access.scrub(str(e))
 
 
 def __getattr__(name: str):

@@ -326,3 +326,114 @@ def test_good_mds_index_still_reads(tmp_path):
     index, obj = _mds(tmp_path)
     feed, docs = _run(_cfg([str(tmp_path / "mds")]))
     assert len(docs) == 6 and not feed.rejects
+
+
+# --- issue 24: truncated Arrow IPC, booleans as token ids, storage options in messages -----
+
+
+def _arrow(path, texts, file_format: bool, rows_per_batch: int = 20):
+    import pyarrow as pa
+
+    table = pa.table({"text": texts})
+    with pa.OSFile(str(path), "wb") as sink:
+        new = pa.ipc.new_file if file_format else pa.ipc.new_stream
+        with new(sink, table.schema) as w:
+            w.write_table(table, max_chunksize=rows_per_batch)
+
+
+@pytest.mark.parametrize("file_format", [False, True], ids=["stream", "file"])
+@pytest.mark.parametrize("piece_bytes", [None, 1024], ids=["one-piece", "many-pieces"])
+def test_truncated_arrow_ipc_keeps_every_complete_batch(
+    tmp_path, tokenizer, file_format, piece_bytes
+):
+    """Like a truncated .jsonl.gz: the complete record batches before the cut are read, and
+    the cut is one reject naming the file, at the first row not read."""
+    texts = [GOOD.format(i) + " " + "z" * (i % 40) for i in range(100)]
+    whole = tmp_path / "whole.arrow"
+    _arrow(whole, texts, file_format)
+    data = whole.read_bytes()
+    path = tmp_path / "t.arrow"
+    path.write_bytes(data[: len(data) * 7 // 10])
+    complete = 60  # 3 batches of 20 rows fit in 70% of the bytes, the 4th does not
+    read = (
+        {"read": {"block_bytes": piece_bytes, "first_block_bytes": piece_bytes}}
+        if piece_bytes
+        else {}
+    )
+    feed, docs = _run(_cfg([str(path)], **read))
+    _assert_kept(docs, tokenizer, {i: texts[i] for i in range(complete)})
+    assert feed.summary().skipped == {"h": 1}
+    (r,) = feed.rejects
+    assert (r.file, r.record) == (str(path), complete)
+    assert r.reason.startswith(
+        "truncated or corrupt Arrow IPC: 3 complete record batches (60 rows) were read, then "
+        "the batch after them is damaged"
+    ), r.reason
+    assert [(x.record, x.reason) for x in scan(_cfg([str(path)], **read))] == [(complete, r.reason)]
+
+
+def test_arrow_file_without_its_footer_keeps_every_batch_and_says_so(tmp_path, tokenizer):
+    """Cut exactly after the stream's end-of-stream marker: every batch is there, the footer
+    is not; the file is read as its stream and the missing footer is one reject."""
+    texts = [GOOD.format(i) for i in range(50)]
+    _arrow(tmp_path / "w.arrow", texts, file_format=True)
+    data = (tmp_path / "w.arrow").read_bytes()
+    eos = data.rindex(b"\xff\xff\xff\xff\x00\x00\x00\x00") + 8
+    (tmp_path / "f.arrow").write_bytes(data[:eos])
+    feed, docs = _run(_cfg([str(tmp_path / "f.arrow")]))
+    _assert_kept(docs, tokenizer, dict(enumerate(texts)))
+    (r,) = feed.rejects
+    assert r.record == 50 and "no readable footer" in r.reason, r.reason
+
+
+def test_a_boolean_in_token_ids_is_a_bad_record(tmp_path):
+    """numpy reads [1, true] as [1, 1]: the record is bad, not a document of ids."""
+    lines = [[5, 6], [1, True], [False], [7, 8, 9], [2, 3.0]]
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"ids": v}) + "\n" for v in lines))
+    stream = {"tokens_field": "ids"}
+    cfg = _cfg([str(tmp_path / "ids.jsonl")], stream=stream, tokenizer={"add_eos": False})
+    feed, docs = _run(cfg)
+    assert {k[1]: v.tolist() for k, v in docs.items()} == {0: [5, 6], 3: [7, 8, 9]}
+    got = {r.record: r.reason for r in feed.rejects}
+    assert set(got) == {1, 2, 4}
+    assert got[1] == "field holds a boolean (True at index 1): booleans are not token ids"
+    assert got[2] == "field holds a boolean (False at index 0): booleans are not token ids"
+
+
+SECRET_PATH = "SECRETPATH-0f3a"
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_config_kwargs_value_never_appears_in_an_error():
+    opts = {"key": "k", "secret": "s", "config_kwargs": {"region_name": "SECRET REGION 7"}}
+    with pytest.raises(ConfigError) as e:
+        parse_config({"streams": {"s": {"paths": ["s3://b/x/*.jsonl"], "storage_options": opts}}})
+    assert "SECRET REGION 7" not in str(e.value)
+    assert "<storage_options.config_kwargs.region_name>" in str(e.value), str(e.value)
+
+
+def test_an_endpoint_url_never_appears_in_an_error_or_a_reject(tmp_path):
+    """An unreachable endpoint: botocore quotes the URL whole, in the error resolving the
+    paths and in the reject of a read; both show the option's name instead."""
+    from pipeline.formats import ReadSpec
+    from pipeline.sources import Access, Piece
+
+    endpoint = f"http://127.0.0.1:{_closed_port()}/{SECRET_PATH}"
+    opts = {"endpoint_url": endpoint, "key": "k", "secret": "s",
+            "config_kwargs": {"retries": {"max_attempts": 1}}}  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        parse_config({"streams": {"s": {"paths": ["s3://b/x/*.jsonl"], "storage_options": opts}}})
+    assert SECRET_PATH not in str(e.value) and "127.0.0.1" not in str(e.value)
+    assert "<storage_options.endpoint_url>" in str(e.value), str(e.value)
+    piece = Piece(0, "s3://b/x/a.jsonl", "jsonl")
+    (rec, value, reason), *_ = read_piece(piece, ReadSpec("text", access=Access(opts)))
+    assert value is None and reason is not None
+    assert SECRET_PATH not in reason and "127.0.0.1" not in reason
+    assert "<storage_options.endpoint_url" in reason, reason
