@@ -8,9 +8,12 @@ split into pre-tokens is not provable (two regex engines): `pipeline.tokenizatio
 
 from __future__ import annotations
 
+import base64
+import functools
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -73,6 +76,9 @@ class FastGuarantees:
       pretokenizer: the regex split (Oniguruma vs fancy-regex): "sampled", or "failed probe"
         where the load-time probe already differed.
       normalizer: "none", or "sampled" (HF's Unicode normalization vs Python's).
+    Proven at load about the split, per code point (`split_exceptions`):
+      split_classes: where the two regex engines' character classes agree; a text holding a
+        code point where they do not is encoded by HF (`hf_split` in the summary).
     `failed`: why each field is not proven (after a failed same_vocab, the proofs about that
     vocabulary are not run), or None.
     """
@@ -85,6 +91,9 @@ class FastGuarantees:
     pretokenizer: str = "sampled"
     normalizer: str = "none"
     failed: str | None = None
+    # The split's character classes, checked on every code point at load (`split_exceptions`):
+    # "proven", "proven; to hf: U+180E" (texts holding those go to HF), or "not checked".
+    split_classes: str = "not checked"
 
     @property
     def proven(self) -> bool:
@@ -290,3 +299,162 @@ def prove_cached(
         json.dump(guarantees.as_dict(), f)
     os.replace(tmp, path)  # atomic: workers may race to prove the same file
     return guarantees
+
+
+# --- The split: where the regex engines' character classes differ, over every code point ---
+
+# Bump when the split proof changes: results cached by older code are then not read.
+SPLIT_PROOF_VERSION = 1
+# A pattern's parts: a bracket class, a property or class escape, any other escape, one char.
+_PARTS = re.compile(
+    r"\[\^?\]?(?:\\[pP]\{[^}]*\}|\\.|[^\]\\])*\]|\\[pP]\{[^}]*\}|\\[pP][A-Za-z]|\\.|.", re.S
+)
+_CLASS_ESCAPE = re.compile(r"\\[pPsSdDwWhHvV]")
+_CASELESS = re.compile(r"\(\?i:((?:\\.|[^)])*)\)")
+# Every code point but the surrogates (no UTF-8 text holds one), U+0000 aside (see below).
+_CODE_POINTS = np.concatenate([np.arange(1, 0xD800), np.arange(0xE000, 0x110000)])
+
+
+def class_atoms(*patterns: str) -> list[str] | None:
+    """The character-class atoms of `patterns`, each a regex matching one character: the
+    bracket classes and escapes that name a Unicode class (`[^\\s\\p{L}\\p{N}]`, `\\p{L}`,
+    `\\s`, `\\S`, ...), `.`, and one `(?i:[...])` of the letters of each case-insensitive
+    group. Literal characters and classes of literals are left out: every engine reads them
+    alike. None where a pattern has a flag this cannot follow (an inline `(?i)`, `(?x)`...).
+    """
+    atoms: set[str] = set()
+    for pattern in patterns:
+        if re.search(r"\(\?[a-zA-Z]*\)", pattern):
+            return None
+        for group in _CASELESS.findall(pattern):
+            letters = sorted({c for c in re.sub(r"\\.", "", group) if c.isalpha()})
+            if letters:
+                atoms.add(f"(?i:[{''.join(letters)}])")
+        for part in _PARTS.findall(pattern):
+            if _CLASS_ESCAPE.search(part) or part == ".":
+                atoms.add(part)
+    return sorted(atoms)
+
+
+def _hf_matches(atom: str, text: str) -> np.ndarray:
+    """Which code points (a mask over all of them) of `text` (`_CODE_POINTS`, then U+0000)
+    HF's regex engine matches with `atom`: a Replace normalizer deletes the matches (the
+    same Oniguruma `SysRegex` as the Split pre-tokenizer), and what is left was not matched.
+    In 64k-character chunks: 3-10x faster than one call (alignments), and a one-character
+    atom cannot match across a cut."""
+    from tokenizers import Regex, normalizers
+
+    delete = normalizers.Replace(Regex(atom), "")
+    step = 1 << 16
+    left = "".join(delete.normalize_str(text[k : k + step]) for k in range(0, len(text), step))
+    matched = np.zeros(0x110000, dtype=bool)
+    matched[_CODE_POINTS] = True
+    matched[0] = True
+    matched[np.frombuffer(left.encode("utf-32-le"), dtype="<u4")] = False
+    return matched
+
+
+def _fast_matches(atom: str, engine: str, ranks_path: str) -> np.ndarray:
+    """The same for a fast engine, which only encodes: every code point c is written as
+    "\\0\\0c", split by `\\0\\0(?:atom)|[\\s\\S]` and encoded with the 256 bytes plus the
+    token "\\0\\0" (256). A match is one piece "\\0\\0c", whose BPE merges the two NULs into
+    256; otherwise each character is its own piece and the NULs stay 0, 0. So each code
+    point's ids start with 256 or with 0, 0, and no byte of any c > 0 is 0."""
+    pattern = rf"\x00\x00(?:{atom})|[\s\S]"
+    texts = [_separated_code_points(), "\x00\x00\x00"]
+    if engine == "fastokens":
+        import fastokens
+
+        tok = fastokens.Tokenizer.from_tiktoken(ranks_path, pattern=pattern, special_tokens={})
+        flat, offsets = tok.encode_batch_flat(texts, split_special_tokens=True)
+        all_ids = np.frombuffer(flat, dtype="<i4")
+        cut = int(np.frombuffer(offsets, dtype="<i8")[1])
+        ids, nul = all_ids[:cut], all_ids[cut:]
+    else:
+        import tiktoken
+
+        ranks = {bytes([b]): b for b in range(256)} | {b"\x00\x00": 256}
+        enc = tiktoken.Encoding("split-proof", pat_str=pattern, mergeable_ranks=ranks,
+                                special_tokens={})  # fmt: skip
+        ids, nul = (np.asarray(enc.encode_ordinary(t)) for t in texts)
+    starts = np.sort(np.concatenate([np.flatnonzero(ids == 256), np.flatnonzero(ids == 0)[::2]]))
+    if len(starts) != len(_CODE_POINTS):
+        raise ValueError(f"{engine}: the split proof's encoding is not the expected one")
+    matched = np.zeros(0x110000, dtype=bool)
+    matched[_CODE_POINTS] = ids[starts] == 256
+    matched[0] = nul[0] == 256  # "\0\0\0" matched: [256, 0]; else [0, 0, 0]
+    return matched
+
+
+@functools.cache
+def _separated_code_points() -> str:
+    """ "\0\0c" for every code point c of `_CODE_POINTS` (0.6 s to build: built once)."""
+    return "".join("\x00\x00" + chr(c) for c in _CODE_POINTS.tolist())
+
+
+def _versions(engine: str) -> dict[str, str]:
+    from importlib.metadata import version
+
+    return {"tokenizers": version("tokenizers"), engine: version(engine)}
+
+
+def split_exceptions(patterns: tuple[str, ...], engine: str) -> tuple[int, ...] | None:
+    """The code points on which `engine` (fastokens: PCRE2; tiktoken: fancy-regex) and HF's
+    tokenizer (Oniguruma) disagree about any character class of `patterns` (the fast split
+    and HF's own), over every code point; None where the pattern cannot be taken apart
+    (`class_atoms`). Cached on disk by the patterns, the engine and both libraries' versions.
+
+    Why this proves the split: the two engines run the same pattern (or, for cl100k, two
+    spellings proven to agree: `CL100K_HF_PATTERN`), and what a pattern matches is decided
+    by its literals, its structure and its classes. Literals match alike everywhere; the
+    structure (alternation order, greedy and possessive runs, lookahead, `$`) is the same
+    algorithm, which the probe and the per-batch samples keep checking; the classes are
+    Unicode tables, which each engine carries in its own version. Here every class of the
+    pattern is run through both engines on every code point: on a text with none of the
+    code points where they differ, both engines see the same classes, so they split alike.
+    A text with one of them goes to HF (`LoadedTokenizer.encode_verified`).
+    The HF side removes the class's matches with a Split pre-tokenizer and reads what is
+    left; the fast side encodes (`_fast_matches`). Found for cl100k with fastokens 0.3.5:
+    U+180E (MONGOLIAN VOWEL SEPARATOR), a space to PCRE2 and not to Oniguruma; none with
+    tiktoken. Cost, 8 atoms of cl100k on a busy shared 2-core machine: ~12 s cold (HF ~1.5 s
+    an atom; the fast side runs at once on a thread, the GIL released), ~1 ms cached.
+    """
+    atoms = class_atoms(*patterns)
+    if atoms is None:
+        return None
+    key = json.dumps([SPLIT_PROOF_VERSION, sorted(set(patterns)), engine, _versions(engine)])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    path = cache_dir() / "split_proofs" / f"{engine}-{digest}.json"
+    try:
+        return tuple(json.loads(path.read_text())["differ"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass  # absent or unreadable: prove again
+    differ = _split_differences(tuple(atoms), engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"patterns": sorted(set(patterns)), "atoms": atoms, "engine": engine,
+                   "versions": _versions(engine), "differ": list(differ)}, f)  # fmt: skip
+    os.replace(tmp, path)  # atomic: workers may race to prove the same patterns
+    return differ
+
+
+@functools.lru_cache(maxsize=16)
+def _split_differences(atoms: tuple[str, ...], engine: str) -> tuple[int, ...]:
+    """Code points where `engine` and HF differ on any of `atoms` (memoized per process:
+    tests load many tokenizers of one pattern under fresh caches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    text = "".join(chr(c) for c in _CODE_POINTS.tolist()) + "\x00"
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks_path = os.path.join(tmp, "bytes.tiktoken")
+        with open(ranks_path, "w") as f:
+            for b, token in enumerate([bytes([b]) for b in range(256)] + [b"\x00\x00"]):
+                f.write(f"{base64.b64encode(token).decode()} {b}\n")
+        _separated_code_points()  # once, before the threads need it
+        with ThreadPoolExecutor(2, thread_name_prefix="tokenmill-split-proof") as pool:
+            fast = [pool.submit(_fast_matches, atom, engine, ranks_path) for atom in atoms]
+            differ = np.zeros(0x110000, dtype=bool)
+            for atom, result in zip(atoms, fast, strict=True):
+                differ |= _hf_matches(atom, text) != result.result()
+    return tuple(np.flatnonzero(differ).tolist())
