@@ -258,10 +258,21 @@ class Config(_Frozen):
         return {name: s.weight / total for name, s in self.streams.items()}
 
     def config_hash(self) -> str:
-        """A stable hash of everything that shapes the batch sequence (not `service`)."""
+        """A stable hash of everything that shapes the batch sequence (not `service`).
+
+        That includes the tokenizer's content, not only its name: a tokenizer.json changed
+        under the same path gives other ids, so a state written with the old one is refused
+        at a resume (`tokenizer_digest`: the file's sha256, or a directory's tokenizer
+        files'). The default tokenizer is pinned (its ranks' sha256 and its conversion), so
+        its configs keep their hashes."""
+        from pipeline.tokenizer_files import tokenizer_digest
+
         data = self.model_dump(
             mode="json", exclude={"service": True, "tokenizer": {"backend", "verify_fraction"}}
         )
+        content = tokenizer_digest(self.tokenizer.name)
+        if content is not None:
+            data["tokenizer"]["content_sha256"] = content
         if data["tokenizer"]["add_bos"] is None:  # hashed as the False it was before None
             data["tokenizer"]["add_bos"] = False
         if data["read"]["max_record_bytes"] == MAX_RECORD_BYTES:

@@ -56,7 +56,14 @@ def code_digest() -> str:
 
 
 class TokenizeWorker:
-    """One warm process: tokenizes units, exits after `idle_s` seconds without one."""
+    """One warm process: tokenizes units, exits after `idle_s` seconds without one.
+
+    Threads: Ray runs the actor's calls one at a time (no concurrency groups), and its idle
+    thread only reads `last`, a float each call replaces whole (a stale read costs one more
+    sleep, never an early exit: it is written before and after every unit). The tokenizer
+    is the process-wide `load_tokenizer` one, keyed by the tokenizer file's content, so a
+    file rewritten between two exports is not encoded with the old one.
+    """
 
     def __init__(self, idle_s: float):
         self.idle_s = idle_s
