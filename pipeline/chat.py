@@ -115,7 +115,13 @@ def render_parts(
 
 
 class ChatEncoder:
-    """Tokenize conversations into (ids, loss mask), batched across a unit's conversations."""
+    """Tokenize conversations into (ids, loss mask), batched across a unit's conversations.
+
+    Immutable after construction, so one encoder may serve several threads at once (the
+    head start's, a pool actor's): per-call results, the backend included, are returned,
+    never stored on it. Glue goes to the tokenizer's `with_specials` copy; the shared
+    tokenizer itself is never touched (see `LoadedTokenizer`).
+    """
 
     def __init__(self, tok):
         template = tok.chat_template
@@ -125,7 +131,6 @@ class ChatEncoder:
             )
         self.tok = tok
         self.template = template
-        self.last_backend = 0  # tokenization.BACKEND_* of the last content batch
         inner = tok.tokenizer
         self._bos = inner.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         self._eos = inner.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
@@ -135,20 +140,53 @@ class ChatEncoder:
             if t.special
         }
 
-    def _encode(self, texts: list[str], specials: bool) -> list[list[int]]:
-        if not specials:  # message content: the fast backend may take it, verified
-            flat, offsets, self.last_backend = self.tok.encode_verified(texts)
-            return [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
-        inner = self.tok.tokenizer
-        inner.encode_special_tokens = not specials
-        try:
-            fast = getattr(inner, "encode_batch_fast", inner.encode_batch)
-            return [e.ids for e in fast(texts, add_special_tokens=False)]
-        finally:
-            inner.encode_special_tokens = True
+    def _content(self, texts: list[str]) -> tuple[list[list[int]], np.ndarray, dict[int, str]]:
+        """Message contents, as text (the fast backend may take them, verified): ids, the
+        backend per content, and the contents the tokenizer failed on (`encode_records`)."""
+        flat, offsets, backends, failed = self.tok.encode_records(texts)
+        ids = [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        return ids, backends, failed
+
+    def _glue(self, texts: list[str]) -> list[list[int]]:
+        """Template glue, with special tokens recognised (the tokenizer's glue copy)."""
+        glue = self.tok.with_specials()
+        fast = getattr(glue, "encode_batch_fast", glue.encode_batch)
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
 
     def encode(self, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray] | str]:
         """Per conversation: (ids int32, loss int8), or a reason string if it cannot render."""
+        return self.encode_with_backend(conversations)[0]
+
+    def encode_with_backend(
+        self, conversations: list[list[dict]]
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray] | str], list[int]]:
+        """`encode`, and per conversation the backend (tokenization.BACKEND_*) that encoded
+        its contents: a fast engine's code, else the code of a content HF encoded.
+
+        A conversation the tokenizer fails on (a content of 10 MB of spaces, a Rust panic)
+        gets its reason string, as a template error does; the others are kept. Glue is
+        template text, but a failure there is charged to the conversations alone too: the
+        batch is then encoded one conversation at a time."""
+        from pipeline.tokenization import failure_reason, tokenizer_failure
+
+        try:
+            return self._encode(conversations)
+        except BaseException as e:
+            if not tokenizer_failure(e):
+                raise
+            if len(conversations) == 1:
+                return [f"the tokenizer failed on this record: {failure_reason(e)}"], [0]
+        out: list[tuple[np.ndarray, np.ndarray] | str] = []
+        backends: list[int] = []
+        for conversation in conversations:
+            [one], [backend] = self.encode_with_backend([conversation])
+            out.append(one)
+            backends.append(backend)
+        return out, backends
+
+    def _encode(
+        self, conversations: list[list[dict]]
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray] | str], list[int]]:
         rendered: list[list[tuple[str, int]] | str] = []
         glue: list[str] = []
         content: list[str] = []
@@ -161,12 +199,25 @@ class ChatEncoder:
             rendered.append(parts)
             for text, part in parts:
                 (glue if part < 0 else content).append(text)
-        glue_ids = iter(self._encode(glue, specials=True))
-        content_ids = iter(self._encode(content, specials=False))
+        glue_ids = iter(self._glue(glue))
+        encoded, content_backends, failed = self._content(content)
+        content_ids = iter(encoded)
         out: list[tuple[np.ndarray, np.ndarray] | str] = []
+        backends: list[int] = []
+        at = 0  # the index of this conversation's first content
         for msgs, done in zip(conversations, rendered, strict=True):
             if isinstance(done, str):
                 out.append(done)
+                backends.append(0)
+                continue
+            mine = range(at, at + sum(part >= 0 for _, part in done))
+            at = mine.stop
+            backends.append(_backend_of(content_backends[mine.start : mine.stop]))
+            bad = next((failed[i] for i in mine if i in failed), None)
+            if bad is not None:
+                for _, part in done:  # consume its pieces, to keep the others aligned
+                    next(glue_ids if part < 0 else content_ids)
+                out.append(bad)
                 continue
             ids: list[int] = []
             loss: list[int] = []
@@ -191,4 +242,15 @@ class ChatEncoder:
                 ids += piece
                 loss += flags
             out.append((np.asarray(ids, dtype=np.int32), np.asarray(loss, dtype=np.int8)))
-        return out
+        return out, backends
+
+
+def _backend_of(codes: np.ndarray) -> int:
+    """One conversation's backend: its contents' one code, else the code of a content HF
+    encoded instead of the fast engine (a fallback, or the split guard), else the first."""
+    from pipeline.tokenization import BACKEND_FAST, BACKEND_FASTOKENS
+
+    if len(codes) == 0:
+        return 0
+    slow = [int(c) for c in codes if c not in (BACKEND_FAST, BACKEND_FASTOKENS)]
+    return slow[0] if slow else int(codes[0])

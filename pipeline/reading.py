@@ -210,7 +210,9 @@ def _with_specials(
 
 
 def _encode_pretrain(texts: list[str], tok: LoadedTokenizer):
-    """Yield (flat ids, offsets, backend) per batch of about _ENCODE_BATCH_BYTES of text."""
+    """Yield (flat ids, offsets, backend per text, {index in batch: reason}) per batch of
+    about _ENCODE_BATCH_BYTES of text. A text the tokenizer failed on (`encode_records`) has
+    no ids, not even BOS/EOS: its row becomes a bad record."""
     bos = tok.bos_id if tok.add_bos else None
     eos = tok.eos_id if tok.add_eos else None
     start = 0
@@ -219,11 +221,22 @@ def _encode_pretrain(texts: list[str], tok: LoadedTokenizer):
         while stop < len(texts) and (stop == start or nbytes < _ENCODE_BATCH_BYTES):
             nbytes += len(texts[stop])
             stop += 1
-        flat, offsets, backend = tok.encode_verified(texts[start:stop])
-        yield *_with_specials(flat, offsets, bos, eos), backend
+        flat, offsets, backends, failed = tok.encode_records(texts[start:stop])
+        flat, offsets = _with_specials(flat, offsets, bos, eos)
+        if failed:  # drop the BOS/EOS given to a failed text
+            keep = np.ones(len(flat), dtype=bool)
+            lens = np.diff(offsets)
+            for i in failed:
+                keep[offsets[i] : offsets[i + 1]] = False
+                lens[i] = 0
+            flat = flat[keep]
+            offsets = np.concatenate([[0], np.cumsum(lens)])
+        yield flat, offsets, backends, failed
         start = stop
 
 
+# One ChatEncoder per tokenizer, for every thread of the process: encoders are immutable
+# (see ChatEncoder), so two threads that build one at once lose nothing but a build.
 _CHAT_ENCODERS: dict[int, ChatEncoder] = {}
 
 
@@ -256,22 +269,24 @@ def tokenize_unit(unit: Unit, stream: StreamConfig, tok: LoadedTokenizer) -> pa.
         _pretokenized(rows, values, stream, tok, errors, lens, backends, flats, losses)
     elif stream.kind == "chat":
         losses = []
-        encoder = _chat_encoder(tok)
-        for row, result in zip(rows, encoder.encode(values), strict=True):
+        results, chat_backends = _chat_encoder(tok).encode_with_backend(values)
+        for row, result in zip(rows, results, strict=True):
             if isinstance(result, str):
                 errors[row] = result
                 continue
             flats.append(result[0])
             losses.append(result[1])
             lens[row] = len(result[0])
-        backends[np.asarray(rows, dtype=np.int64)] = encoder.last_backend
+        backends[np.asarray(rows, dtype=np.int64)] = chat_backends
     else:
         done = 0
-        for flat, offsets, backend in _encode_pretrain(values, tok):
+        for flat, offsets, text_backends, failed in _encode_pretrain(values, tok):
             n = len(offsets) - 1
             where = np.asarray(rows[done : done + n], dtype=np.int64)
             lens[where] = np.diff(offsets)
-            backends[where] = backend
+            backends[where] = text_backends
+            for i, reason in failed.items():
+                errors[rows[done + i]] = reason
             flats.append(flat)
             done += n
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)

@@ -28,15 +28,22 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from pipeline.config import TokenizerConfig
-from pipeline.proofs import FastGuarantees, byte_level_vocab, prove_cached, prove_fast
+from pipeline.proofs import (
+    FastGuarantees,
+    byte_level_vocab,
+    prove_cached,
+    prove_fast,
+    split_exceptions,
+)
 from pipeline.tokenizer_files import (
+    CL100K_HF_PATTERN,
     CL100K_SHA256,
     CL100K_SPECIALS,
     TokenizerFile,
@@ -44,6 +51,7 @@ from pipeline.tokenizer_files import (
     cl100k_ranks_file,
     default_tokenizer_file,
     open_tokenizer,
+    tokenizer_digest,
 )
 
 if TYPE_CHECKING:
@@ -73,13 +81,57 @@ FAST_PROBE = (
     "<|endoftext|> <|im_start|>user <|im_end|> <|fim_prefix|>",
     "    def f(self, x):\n        return {'a': [1, 2, 3]}  # comment\n\n\n",
     '!!!??? ... --- === +++ *** /// \\\\ """ ``` ~~~',
+    # U+180E, a space to PCRE2 and not to Oniguruma (`split_exceptions` sends it to HF), and
+    # the whitespace family after and before spaces, letters, digits and newlines.
+    "  \u180e a\u180eb 1\u180e\u180e2 \u180e\n\u180e  \u180e\t",
+    "a\u0085b \u00a0 \u1680x\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009"
+    "\u200a y \u2028\u2029 \u202f\u205f\u3000 \x0b\x0c\x1c\x1d\x1e\x1f \u200b\ufeff\n  ",
 )
 
 
 # Which backend encoded a batch: blocks carry it per row, the feed reports tokens per name.
 # `pretokenized`: ids read as they are from an export (format: export), no tokenizer ran.
+# `hf_split`: texts holding a code point on which the fast split is not proven (SplitGuard).
 BACKEND_HF, BACKEND_FAST, BACKEND_HF_FALLBACK, BACKEND_NONE, BACKEND_FASTOKENS = 0, 1, 2, 3, 4
-BACKEND_NAMES = ("hf", "tiktoken", "hf_fallback", "pretokenized", "fastokens")
+BACKEND_HF_SPLIT = 5
+BACKEND_NAMES = ("hf", "tiktoken", "hf_fallback", "pretokenized", "fastokens", "hf_split")
+
+
+class SplitGuard:
+    """The code points on which a fast engine's split is not proven to be HF's
+    (`proofs.split_exceptions`): an encode call with a text holding one goes to HF.
+
+    Immutable once built (at load), so shared by every thread. The check costs nothing on
+    ASCII text (`str.isascii`, where no such code point is ASCII) and one `in` per code point
+    on the rest (a C search); for a normalizing tokenizer, on the normalized text, which is
+    what the engines split.
+    """
+
+    __slots__ = ("code_points", "normalize", "_chars", "_ascii_safe")
+
+    def __init__(self, code_points: tuple[int, ...], normalize: NormalForm | None = None):
+        self.code_points = code_points
+        self.normalize = normalize
+        self._chars = tuple(chr(c) for c in code_points)
+        self._ascii_safe = all(c >= 0x80 for c in code_points)
+
+    def describe(self) -> str:
+        shown = ", ".join(f"U+{c:04X}" for c in self.code_points[:8])
+        more = f" and {len(self.code_points) - 8} more" if len(self.code_points) > 8 else ""
+        return f"proven; to hf: {shown}{more}"
+
+    def hits(self, texts: list[str]) -> bool:
+        """Whether any text holds one of the code points."""
+        for text in texts:
+            if self._ascii_safe and text.isascii():
+                continue
+            if self.normalize is not None:
+                import unicodedata
+
+                text = unicodedata.normalize(self.normalize, text)
+            if any(ch in text for ch in self._chars):
+                return True
+        return False
 
 
 class FastEncoder:
@@ -169,6 +221,7 @@ class BpeForm:
     ranks: Callable[[], dict[bytes, int]]
     ranks_file: Callable[[], Path]
     normalize: NormalForm | None = None
+    hf_pattern: str | None = None  # the HF tokenizer's own spelling, where it differs
 
 
 def _bpe_form(doc: dict | None, default: bool) -> BpeForm | None:
@@ -197,6 +250,7 @@ def _bpe_form(doc: dict | None, default: bool) -> BpeForm | None:
                 lambda: load_tiktoken_bpe(str(cl100k_ranks_file()), expected_hash=CL100K_SHA256)
             ),
             ranks_file,
+            hf_pattern=CL100K_HF_PATTERN,
         )
     assert doc is not None  # only the default tokenizer comes without a tokenizer.json
     model, pre = doc.get("model") or {}, doc.get("pre_tokenizer") or {}
@@ -306,7 +360,8 @@ def _hf_ids(tok, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in (fast or tok.encode_batch)(texts, add_special_tokens=False)]
 
 
-def _flatten(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+def _flatten(ids: list) -> tuple[np.ndarray, np.ndarray]:
+    """Per-text ids (lists or arrays) as (flat int32 ids, int64 offsets)."""
     lens = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     offsets = np.zeros(len(ids) + 1, dtype=np.int64)
     np.cumsum(lens, out=offsets[1:])
@@ -339,12 +394,25 @@ class FastBackendError(ValueError):
     """`tokenizer.backend: tiktoken` (or `fastokens`) was asked for, and it is not exact here."""
 
 
+# Guards the one-time build of every LoadedTokenizer's glue tokenizer (`with_specials`).
+_GLUE_LOCK = threading.Lock()
+
+
 @dataclass(frozen=True)
 class LoadedTokenizer:
     """A `tokenizers.Tokenizer` plus the special ids the pipeline needs.
 
     `guarantees`: what was proven about the fast backend at load (`FastGuarantees`), or None
     where none was considered (backend hf, or no byte-level BPE form).
+
+    Shared by every thread of a process (the feed, the head start's threads, one per stream,
+    a pool actor's calls): it is immutable once `load_tokenizer` returns it. `tokenizer`
+    encodes special-token text as text (`encode_special_tokens` set at load and never again);
+    chat template glue, which needs special tokens recognised, goes to a second HF tokenizer
+    (`with_specials`), built once under `_GLUE_LOCK` and never mutated either. Toggling the
+    flag on the one shared tokenizer "just for this call" raised "Already borrowed" in the
+    other thread's encode, or let it encode user text with special tokens recognised.
+    The fast engines (tiktoken, fastokens) encode through `&self`: concurrent calls are safe.
     """
 
     tokenizer: Tokenizer
@@ -359,6 +427,24 @@ class LoadedTokenizer:
     backend: str = "hf"
     verify_fraction: float = 0.01
     guarantees: FastGuarantees | None = None
+    split_guard: SplitGuard | None = None
+    # The glue tokenizer, once built (see the class docstring); written under _GLUE_LOCK only.
+    _glue: list = field(default_factory=list, repr=False, compare=False)
+
+    def with_specials(self) -> Tokenizer:
+        """A copy of `tokenizer` that recognises special-token text (for chat template glue).
+
+        Built on first use (only chat streams need it: ~0.5 s and ~50 MB for cl100k), under a
+        lock so that threads asking at once build it once; never mutated after."""
+        if not self._glue:
+            with _GLUE_LOCK:
+                if not self._glue:
+                    from tokenizers import Tokenizer
+
+                    glue = Tokenizer.from_str(self.tokenizer.to_str())
+                    glue.encode_special_tokens = False  # before anyone else can see it
+                    self._glue.append(glue)
+        return self._glue[0]
 
     def describe(self) -> str:
         """One line on what was loaded, for `tokenmill check`."""
@@ -390,15 +476,18 @@ class LoadedTokenizer:
         The fast backend's ids are kept only if a sample of this batch (`verify_sample`)
         encodes identically with the HF tokenizer; otherwise HF re-encodes the batch.
 
-        The fast backend exists only where `prove_fast` proved its BPE exact, so a difference
-        here can only come from the regex split (or a Unicode normalizer): that is all the
-        sample checks. Its budget stays `verify_fraction` (default 1% of the characters, about
+        The fast backend exists only where `prove_fast` proved its BPE exact, and a batch
+        with a text holding a code point where the engines' character classes differ goes to
+        HF whole (`SplitGuard`, `hf_split`), so a difference here could only come from the
+        regex's structure (or a Unicode normalizer): that is all the sample checks. Its budget stays `verify_fraction` (default 1% of the characters, about
         6% of the fast path's time, HF being ~6x slower): regex disagreements are rare and
         input-shaped (cl100k's digit-run trap touched 0.03% of tokens, only on some files), so
         a batch must be sampled at all to be caught, and a smaller share saves little.
         """
         if self.fast is None or not texts:
             return *self.encode(texts), BACKEND_HF
+        if self.split_guard is not None and self.split_guard.hits(texts):
+            return *self.encode(texts), BACKEND_HF_SPLIT
         flat, offsets = self.fast.encode_flat(texts)
         picked = verify_sample(texts, self.verify_fraction)
         reference = _hf_ids(self.tokenizer, [texts[i] for i in picked])
@@ -412,19 +501,143 @@ class LoadedTokenizer:
                 return *self.encode(texts), BACKEND_HF_FALLBACK
         return flat, offsets, self.fast.code
 
+    def encode_records(
+        self, texts: list[str]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
+        """`encode_verified` per record: (flat, offsets, int8 backend per text, {index:
+        reason}), where a text the tokenizer fails on is one failed record, without ids.
 
-def _probe_fast(tok, fast: FastEncoder) -> str | None:
-    """None if the fast encoder matches HF on FAST_PROBE, else the first differing text."""
+        A text holding a code point the split guard names goes to HF alone (`hf_split`), the
+        others to `encode_verified` as one call: one such text does not send its whole batch
+        to HF. Both parts are functions of the texts alone, so the output is too.
+        """
+        guard = self.split_guard if self.fast is not None else None
+        to_hf = [i for i, t in enumerate(texts) if guard is not None and guard.hits([t])]
+        if not to_hf:
+            return self._encode_isolating(texts, self.encode_verified)
+        ids: list = [None] * len(texts)
+        backends = np.zeros(len(texts), dtype=np.int8)
+        failed: dict[int, str] = {}
+        rest = [i for i in range(len(texts)) if i not in set(to_hf)]
+        for part, encode in ((to_hf, self._encode_split_guarded), (rest, self.encode_verified)):
+            if not part:
+                continue
+            flat, offsets, codes, bad = self._encode_isolating([texts[i] for i in part], encode)
+            for k, i in enumerate(part):
+                ids[i] = flat[offsets[k] : offsets[k + 1]]
+                backends[i] = codes[k]
+                if k in bad:
+                    failed[i] = bad[k]
+        return *_flatten(ids), backends, failed
+
+    def _encode_split_guarded(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
+        return *self.encode(texts), BACKEND_HF_SPLIT
+
+    def _encode_isolating(
+        self, texts: list[str], encode: Callable[[list[str]], tuple[np.ndarray, np.ndarray, int]]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[int, str]]:
+        """`encode(texts)`, where a text the tokenizer fails on is one failed record.
+
+        The batch is encoded as one call first. If that fails (`tokenizer_failure`), each
+        text is encoded alone, by the fast engine where `encode` uses one, to find the
+        culprits; the others are encoded as one call again (the same texts give the same
+        call, so the output is still a function of the texts alone). A culprit of the fast
+        engine gets the HF tokenizer's exact ids if HF can encode it (`hf_fallback`), else it
+        fails. If every text of a batch of several fails alone, the failure is not the
+        records': it is raised.
+        """
+        try:
+            flat, offsets, backend = encode(texts)
+            return flat, offsets, np.full(len(texts), backend, dtype=np.int8), {}
+        except BaseException as e:
+            if not tokenizer_failure(e):
+                raise
+            first = e
+        fast = self.fast if encode == self.encode_verified else None
+        alone = fast.encode_flat if fast is not None else self.encode
+        culprits: dict[int, BaseException] = {}
+        for i, text in enumerate(texts):
+            try:
+                alone([text])
+            except BaseException as e:
+                if not tokenizer_failure(e):
+                    raise
+                culprits[i] = e
+        if len(texts) > 1 and len(culprits) == len(texts):
+            raise first
+        ids: dict[int, np.ndarray] = {}
+        backends = np.zeros(len(texts), dtype=np.int8)
+        failed: dict[int, str] = {}
+        for i, error in culprits.items():
+            reason = f"the tokenizer failed on this record: {failure_reason(error)}"
+            if fast is not None:
+                try:
+                    ids[i] = self.encode([texts[i]])[0]
+                    backends[i] = BACKEND_HF_FALLBACK
+                    continue
+                except BaseException as hf_error:
+                    if not tokenizer_failure(hf_error):
+                        raise
+                    reason += f"; HF's too: {failure_reason(hf_error)}"
+            failed[i] = reason
+            ids[i] = np.zeros(0, dtype=np.int32)
+        rest = [i for i in range(len(texts)) if i not in culprits]
+        if rest:
+            flat, offsets, backend = encode([texts[i] for i in rest])
+            for k, i in enumerate(rest):
+                ids[i] = flat[offsets[k] : offsets[k + 1]]
+                backends[i] = backend
+        flat, offsets = _flatten([ids[i] for i in range(len(texts))])
+        return flat, offsets, backends, failed
+
+
+def tokenizer_failure(e: BaseException) -> bool:
+    """Whether `e` is a tokenizer failing on its input, to be charged to the record.
+
+    Any Exception (fastokens: "ValueError: ... PCRE2: match limit exceeded" on 10 MB of
+    spaces), and a Rust panic: PyO3 raises `pyo3_runtime.PanicException`, a BaseException
+    (HF's Oniguruma: "retry-limit-in-match over"). Matched by type name, as PyO3 exposes the
+    class nowhere importable; KeyboardInterrupt, SystemExit and the like stay what they are.
+    """
+    if isinstance(e, Exception):
+        return True
+    kind = type(e)
+    return kind.__name__ == "PanicException" and kind.__module__ == "pyo3_runtime"
+
+
+def failure_reason(e: BaseException) -> str:
+    """A record's reject reason for tokenizer failure `e`: its type and first line, short."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {(lines[0] if lines else '')[:300]}"
+
+
+def _probe_fast(tok, fast: FastEncoder, guard: SplitGuard | None = None) -> str | None:
+    """None if the fast encoder matches HF on FAST_PROBE, else the first differing text.
+    Texts the guard sends to HF are not the fast encoder's to match."""
     for text, want in zip(FAST_PROBE, _hf_ids(tok, list(FAST_PROBE)), strict=True):
+        if guard is not None and guard.hits([text]):
+            continue
         if fast.encode([text])[0] != want:
             return text
     return None
 
 
+def _split_guard(form: BpeForm, fast: FastEncoder) -> tuple[SplitGuard | None, str]:
+    """The guard of `fast`'s split (None: nothing to guard), and `split_classes` to report."""
+    patterns = (form.pattern, form.hf_pattern or form.pattern)
+    differ = split_exceptions(patterns, fast.name)
+    if differ is None:
+        return None, "not checked"
+    if not differ:
+        return None, "proven"
+    guard = SplitGuard(differ, form.normalize)
+    return guard, guard.describe()
+
+
 def _fast_backend(
     tok, cfg: TokenizerConfig, source: Path | None, preloaded: Callable | None = None
-) -> tuple[FastEncoder | None, FastGuarantees | None]:
-    """The fast encoder where it may be used, and what was proven about it.
+) -> tuple[FastEncoder | None, FastGuarantees | None, SplitGuard | None]:
+    """The fast encoder where it may be used, what was proven about it, and its split guard.
 
     (None, None): the tokenizer has no byte-level BPE form. (None, guarantees): a proof or
     the regex probe failed (or no engine is installed). Under `backend: tiktoken` or
@@ -444,7 +657,7 @@ def _fast_backend(
                 f"tokenizer.backend {strict}: not exact for {cfg.name!r} (it has no byte-level "
                 "BPE form: a BPE model behind one Split regex or ByteLevel); use backend auto or hf"
             )
-        return None, None
+        return None, None, None
     ranks_source = f"cl100k-{CL100K_SHA256[:12]}" if default else "vocab"
     guarantees = prove_cached(content, ranks_source, lambda: prove_fast(doc(), form.ranks()))
     if not guarantees.proven:
@@ -453,15 +666,16 @@ def _fast_backend(
                 f"tokenizer.backend {strict}: not exact for {cfg.name!r}, a guarantee failed: "
                 f"{guarantees.failed}; use backend auto or hf"
             )
-        return None, guarantees
+        return None, guarantees, None
     differs = None
     for engine in ENGINES[cfg.backend]:
         fast = preloaded() if preloaded and engine is _fastokens_engine else engine(form)
         if fast is None:
             continue
-        bad = _probe_fast(tok, fast)
+        guard, split_classes = _split_guard(form, fast)
+        bad = _probe_fast(tok, fast, guard)
         if bad is None:
-            return fast, guarantees
+            return fast, replace(guarantees, split_classes=split_classes), guard
         differs = differs or bad
     if strict:
         why = (
@@ -471,7 +685,7 @@ def _fast_backend(
         )
         raise FastBackendError(f"tokenizer.backend {strict}: {why}; use backend auto or hf")
     why = "failed probe" if differs is not None else "no engine installed"
-    return None, replace(guarantees, pretokenizer=why)
+    return None, replace(guarantees, pretokenizer=why), None
 
 
 def _preload_fastokens(cfg: TokenizerConfig) -> Callable | None:
@@ -502,7 +716,9 @@ def _preload_fastokens(cfg: TokenizerConfig) -> Callable | None:
     return join
 
 
-_CACHE: dict[TokenizerConfig, LoadedTokenizer] = {}
+# Loaded tokenizers by config and content (`tokenizer_digest`). Written under _LOADING only;
+# read without it (a dict lookup is atomic, and entries are immutable and never removed).
+_CACHE: dict[tuple[TokenizerConfig, str | None], LoadedTokenizer] = {}
 _LOADING = threading.Lock()
 
 
@@ -510,13 +726,19 @@ def load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
     """Load a tokenizer once per process (module-level cache; workers import this module).
 
     Once, also when several threads ask at the same moment (the feed and its head start
-    did, and paid the ~0.7 s load twice on the same two cores)."""
-    hit = _CACHE.get(cfg)
+    did, and paid the ~0.7 s load twice on the same two cores). Keyed by the tokenizer's
+    content as well as its config: a warm pool actor outlives exports, and a tokenizer.json
+    rewritten under the same path between two of them is loaded afresh (it kept encoding
+    with the old one: 756 of 4,123 tokens differed)."""
+    key = (cfg, tokenizer_digest(cfg.name))
+    hit = _CACHE.get(key)
     if hit is not None:
         return hit
     with _LOADING:
-        hit = _CACHE.get(cfg)
-        return hit if hit is not None else _load_tokenizer(cfg)
+        hit = _CACHE.get(key)
+        if hit is None:
+            hit = _CACHE[key] = _load_tokenizer(cfg)
+        return hit
 
 
 def _first_or(default: int, *ids: int | None) -> int:
@@ -566,9 +788,9 @@ def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
             f"tokenizer.add_eos: cannot tell the EOS token of {cfg.name!r} ({why}); "
             "set tokenizer.eos_id"
         )
-    fast = guarantees = None
+    fast = guarantees = guard = None
     if cfg.backend != "hf":
-        fast, guarantees = _fast_backend(tok, cfg, source, preloaded)
+        fast, guarantees, guard = _fast_backend(tok, cfg, source, preloaded)
     loaded = LoadedTokenizer(
         tok,
         bos,
@@ -582,6 +804,6 @@ def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
         backend=cfg.backend,
         verify_fraction=cfg.verify_fraction,
         guarantees=guarantees,
+        split_guard=guard,
     )
-    _CACHE[cfg] = loaded
     return loaded
