@@ -106,6 +106,7 @@ class BatchServer:
         self._seeked: dict | None = None
         self._hungry: dict[int, bool] = {}  # rank -> its last answer waited for the producer
         self._rank_jobs: dict[int, str] = {}  # rank -> its Ray job id (hello's `client`)
+        self._observed: tuple[float, str] = (0.0, "")  # when and what `_observe` last kept
         self._start_feed(state, allow_config_change)
 
     # -- production -------------------------------------------------------------------------
@@ -144,12 +145,23 @@ class BatchServer:
 
     def _on_step(self) -> None:  # under the lock, after each produced step
         self._sample(force=False)
+        self._observe()
         if self._linger_for and self.window.produced >= min(self._linger_for.values()):
             self._lingering.notify_all()
 
     def _wake_all(self) -> None:  # under the lock: every waiting rank, lingering or not
         self._cond.notify_all()
         self._lingering.notify_all()
+
+    def _observe(self) -> None:
+        """Under the lock: the producer's state and each rank's lag into telemetry, once a
+        second or at once when the state changes (`rank_view` is O(world): not every step)."""
+        state, now = self.producer_state(), time.monotonic()
+        if state == self._observed[1] and now - self._observed[0] < 1.0:
+            return
+        self._observed = (now, state)
+        lags = {r: v["lag"] for r, v in self.window.rank_view().items()}
+        self.telemetry.observe(state, lags)
 
     def _sample(self, force: bool) -> None:
         if not self.telemetry.due(force):  # every step calls; one a second is kept
@@ -202,7 +214,9 @@ class BatchServer:
         """A rank is alive and has consumed every step before `consumed` (its client's beat
         thread, group `beats`). False: it is not a rank of the world served (any more)."""
         with self._cond:
-            return self.window.beat(rank, world_size, consumed)
+            ok = self.window.beat(rank, world_size, consumed)
+            self._observe()
+            return ok
 
     def rank_jobs(self) -> list[str]:
         """The Ray job ids of the ranks that said hello (at most one per rank)."""
@@ -359,10 +373,14 @@ class BatchServer:
 
     def pause(self) -> str:
         self.producer.set_paused(True)
+        with self._cond:
+            self._observe()
         return "paused"
 
     def resume(self) -> str:
         self.producer.set_paused(False)
+        with self._cond:
+            self._observe()
         return "running"
 
     def heartbeat(self, owner: dict | None = None) -> None:
@@ -374,6 +392,7 @@ class BatchServer:
         with self._cond:
             self._stop_requested = True
             self._wake_all()
+            self._observe()
         return STOPPING
 
     def drain_rejects(self) -> list[dict]:
@@ -438,6 +457,7 @@ class BatchServer:
 
     def metrics(self) -> dict:
         with self._cond:
+            self._observe()
             s = summarize(self.feed)
             tel = self.telemetry
             tok_rate, row_rate = tel.rates()
@@ -468,4 +488,5 @@ class BatchServer:
                 "rejects_unlisted": tel.rejects_unlisted,
                 "mixture_history": s.mixture_history,
                 "history": tel.history_view(),
+                "observations": tel.observations_view(),
             }

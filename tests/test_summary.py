@@ -63,9 +63,12 @@ def test_prometheus_stream_gauges_are_the_declared_fields():
     m = {"tokens_per_s": 1.0, "batches_per_s": 1.0, "global_step": 9, "packing_efficiency": 0.9,
          "data_wait_s_last_60s": 0.5, "streams": {"web": share}, "queue_depth": {}}  # fmt: skip
     text = prometheus_text(m, {"state": "running"})
+    from service.api import STREAM_COUNTERS
+
     for name, doc in stream_gauges():
-        assert f"# HELP tokenmill_stream_{name} {doc}\n" in text
-    assert 'tokenmill_stream_tokens{stream="web"} 7.0' in text
+        metric = f"tokenmill_stream_{name}" + ("_total" if name in STREAM_COUNTERS else "")
+        assert f"# HELP {metric} {doc}\n" in text
+    assert 'tokenmill_stream_tokens_total{stream="web"} 7.0' in text
     assert 'tokenmill_stream_realized_share{stream="web"} 0.25' in text
     assert "tokenmill_stream_docs_read" not in text  # not declared a gauge
 
