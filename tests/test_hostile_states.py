@@ -121,13 +121,9 @@ EDITS = {
         lambda s: _mixer(s).__setitem__("step", s["step"] + 1),
         r"packer.mixer.step 4 must be within",
     ),
-    "weights not normalized": (
+    "weights not shares": (
         lambda s: _mixer(s)["weights"].__setitem__("a", 5.0),
-        r"packer.mixer.weights must sum to 1",
-    ),
-    "exhausted twice": (
-        lambda s: _mixer(s).__setitem__("exhausted", ["x", "x"]),
-        r"exhausted has duplicate entries",
+        r"packer.mixer.weights are shares, their sum is 5.4",
     ),
     "exhausted not strings": (
         lambda s: _mixer(s).__setitem__("exhausted", [3]),
@@ -237,3 +233,48 @@ def test_a_resume_after_the_history_was_trimmed_continues_exactly(tmp_path):
     finally:
         resumed.close()
     assert [b and b.to_pydict() for b in again] == [b and b.to_pydict() for b in straight]
+
+
+def test_a_state_taken_right_after_a_resume_that_removed_a_stream_is_accepted(run, tmp_path):
+    """The service records the state of its first step at start: after a resume that removed
+    a stream, its weights are shares that sum to less than 1 until the next step begins. The
+    content checks take what a writer can produce."""
+    cfg, state, _ = run
+    only_a = parse_config(
+        cfg.model_dump(mode="json") | {"streams": {"a": cfg.streams["a"].model_dump(mode="json")}}
+    )
+    feed = Feed(only_a, executor=iter_blocks_local, state=state, allow_config_change=True)
+    try:
+        first = json.loads(json.dumps(feed.get_state()))
+        after = [feed.next_step() for _ in range(2)]
+    finally:
+        feed.close()
+    assert sum(first["packer"]["mixer"]["weights"].values()) < 1
+    _check(only_a, first)
+    resumed = Feed(only_a, executor=iter_blocks_local, state=first)
+    try:
+        assert all(resumed.next_step().equals(want) for want in after)
+    finally:
+        resumed.close()
+
+
+@pytest.mark.xfail(
+    reason="needs service/cli.py _read_state to use pipeline.states.load_state (issue 24)",
+    strict=False,
+)
+def test_export_resume_from_a_file_holding_null_fails_and_names_the_file(run, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg, _, _ = run
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    (tmp_path / "null.json").write_text("null")
+    args = [sys.executable, "-m", "service", "export", "--config", str(tmp_path / "c.yaml"),
+            "--out", str(tmp_path / "out"), "--steps", "2", "--local",
+            "--resume", str(tmp_path / "null.json")]  # fmt: skip
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0, r.stdout
+    assert "null.json" in r.stderr and "must be a JSON object" in r.stderr, r.stderr
+    assert not (tmp_path / "out" / "step-00000000-rank-0.parquet").exists()
