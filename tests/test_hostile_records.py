@@ -437,3 +437,18 @@ def test_an_endpoint_url_never_appears_in_an_error_or_a_reject(tmp_path):
     assert value is None and reason is not None
     assert SECRET_PATH not in reason and "127.0.0.1" not in reason
     assert "<storage_options.endpoint_url" in reason, reason
+
+
+def test_a_boolean_in_an_mds_json_column_of_token_ids_is_a_bad_record(tmp_path):
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(tmp_path / "mds"), columns={"ids": "json"}) as w:
+        for ids in ([5, 6], [1, True], [7, 8, 9]):
+            w.write({"ids": ids})
+    stream = {"tokens_field": "ids"}
+    cfg = _cfg([str(tmp_path / "mds")], stream=stream, tokenizer={"add_eos": False})
+    feed, docs = _run(cfg)
+    assert {k[1]: v.tolist() for k, v in docs.items()} == {0: [5, 6], 2: [7, 8, 9]}
+    assert [(r.record, r.reason) for r in feed.rejects] == [
+        (1, "field holds a boolean (True at index 1): booleans are not token ids")
+    ]
