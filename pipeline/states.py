@@ -9,10 +9,11 @@ repeated 14 served documents and skipped 29), so a state is checked in two ways.
 `digest`, a plain SHA-256 over the state's canonical JSON (sorted keys, no spaces), with no
 key: a byte flipped on disk, a truncated copy or an edit made without re-sealing is refused,
 but anyone can recompute the digest, so a state edited *and re-sealed* passes it. An HMAC
-with a key the service holds would make states unforgeable, but the states an export writes
-must resume on other machines and under other processes than the one that wrote them, so the
-key would have to travel with them, and a key beside the state authenticates nothing. A
-state is the user's own checkpoint; what it may hold is checked instead:
+with a key the service holds would make states unforgeable, but the states an export or a
+trainer checkpoint holds must resume on other machines, under other processes, days later:
+the key would have to be configured everywhere a run resumes, or travel with the states
+(where it authenticates nothing). A state is the user's own checkpoint, so what it may hold
+is checked instead:
 
 - Every field is checked for type and bounds (counts and positions are non-negative
   integers, shares are finite, per-stream mappings name the state's streams).
@@ -32,7 +33,8 @@ name, with the keys as constants in the stages' modules:
 
     {version, config_hash, step, digest,
      feed: {rows, real_tokens, docs_emitted: {name: n}, finished},
-     packer: {finished, [rows], mixer: {history, target, placed, alive, weights, ...},
+     packer: {finished, [rows], mixer: {history, [history_dropped], target, placed, alive,
+                                         weights, ...},
               streams: {name: {done, counters, consumed | base, arrivals, pool,
                                input: {window, offset, epoch,            (WindowShuffle)
                                        input: {position, reported}}}}}}  (DocSource)
