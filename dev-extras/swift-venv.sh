@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The ms-swift venv (.venv-swift): ms-swift 4.6 installs transformers 5.x and pins trl<1.0,
+# which the main venv's trl>=1.16 refuses, so it lives apart. tokenmill goes in with --no-deps
+# plus what trainer/feed.py needs (ray, pyarrow, numpy), pinned as CI pins the main venv.
+# Idempotent: a stamp of the pins skips a venv that is already up to date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${SWIFT_VENV:-.venv-swift}
+stamp="$VENV/.tokenmill-installed"
+want=$(cat .ci/constraints-swift.txt dev-extras/swift-venv.sh | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+echo '*' > "$VENV/.gitignore"   # never committed (python3.13's venv writes this itself)
+"$VENV/bin/pip" install -q --upgrade pip wheel
+"$VENV/bin/pip" install -q -c .ci/constraints-swift.txt torch torchvision
+"$VENV/bin/pip" install -q -c .ci/constraints-swift.txt ms-swift ray pyarrow numpy
+"$VENV/bin/pip" install -q --no-deps -e .
+echo "$want" > "$stamp"
