@@ -17,6 +17,7 @@ import re
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -416,8 +417,10 @@ def split_exceptions(patterns: tuple[str, ...], engine: str) -> tuple[int, ...] 
     The HF side removes the class's matches with a Split pre-tokenizer and reads what is
     left; the fast side encodes (`_fast_matches`). Found for cl100k with fastokens 0.3.5:
     U+180E (MONGOLIAN VOWEL SEPARATOR), a space to PCRE2 and not to Oniguruma; none with
-    tiktoken. Cost, 8 atoms of cl100k on a busy shared 2-core machine: ~12 s cold (HF ~1.5 s
-    an atom; the fast side runs at once on a thread, the GIL released), ~1 ms cached.
+    tiktoken. Cost, cl100k's 7 atoms on a shared 2-core machine (load average ~4): 5.0-5.5 s
+    cold per engine (the fast side, ~0.5-1.5 s an atom, on two threads with the GIL
+    released; HF's side ~0.1-0.4 s an atom meanwhile), 0.6 ms cached; under heavier load
+    it took up to 16 s. A node's processes prove once between them (a file lock).
     """
     atoms = class_atoms(*patterns)
     if atoms is None:
@@ -425,18 +428,40 @@ def split_exceptions(patterns: tuple[str, ...], engine: str) -> tuple[int, ...] 
     key = json.dumps([SPLIT_PROOF_VERSION, sorted(set(patterns)), engine, _versions(engine)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     path = cache_dir() / "split_proofs" / f"{engine}-{digest}.json"
+    cached = _read_split_proof(path)
+    if cached is not None:
+        return cached
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One process proves, the others (a node's Ray workers, all cold at once) wait for it
+    # rather than each spend the same CPU-seconds on the same cores.
+    with open(path.with_suffix(".lock"), "w") as lock:
+        _lock(lock)
+        cached = _read_split_proof(path)
+        if cached is not None:
+            return cached
+        differ = _split_differences(tuple(atoms), engine)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"patterns": sorted(set(patterns)), "atoms": atoms, "engine": engine,
+                       "versions": _versions(engine), "differ": list(differ)}, f)  # fmt: skip
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return differ
+
+
+def _read_split_proof(path: Path) -> tuple[int, ...] | None:
     try:
         return tuple(json.loads(path.read_text())["differ"])
     except (OSError, ValueError, TypeError, KeyError):
-        pass  # absent or unreadable: prove again
-    differ = _split_differences(tuple(atoms), engine)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"patterns": sorted(set(patterns)), "atoms": atoms, "engine": engine,
-                   "versions": _versions(engine), "differ": list(differ)}, f)  # fmt: skip
-    os.replace(tmp, path)  # atomic: workers may race to prove the same patterns
-    return differ
+        return None  # absent or unreadable: prove again
+
+
+def _lock(f) -> None:
+    """An exclusive lock on open file `f`, released when it closes (POSIX; else none)."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
 
 
 @functools.lru_cache(maxsize=16)
