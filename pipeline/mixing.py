@@ -92,7 +92,9 @@ STOPPED = "stopped"
 EXHAUSTED = "exhausted"
 HISTORY_DROPPED = "history_dropped"  # changes dropped from the history's past (absent: 0)
 
-HISTORY_PAST = 16  # changes kept that no longer affect any step to come, for the record
+# Changes kept that no longer affect any step to come, for the record; at least 1, as the
+# summary and the server ask for the weights of the step before the current one.
+HISTORY_PAST = 16
 HISTORY_PENDING = 1024  # changes that may be scheduled ahead of the current step
 
 
