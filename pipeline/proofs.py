@@ -2,8 +2,10 @@
 
 `prove_fast` shows, for one tokenizer.json and the ranks of the tiktoken encoder built from
 it, that tiktoken's BPE gives the HF BPE model's ids on every pre-token; `FastGuarantees` is
-its verdict, part by part, and `prove_cached` caches verdicts on disk by the file's sha256. The
-split into pre-tokens is not provable (two regex engines): `pipeline.tokenization` samples it.
+its verdict, part by part, and `prove_cached` caches verdicts on disk by the file's sha256.
+The split into pre-tokens runs on two regex engines: `split_exceptions` finds, over every code
+point, where their character classes differ (such texts go to HF); the split's structure is
+sampled by `pipeline.tokenization`.
 """
 
 from __future__ import annotations

@@ -10,12 +10,18 @@ tiktoken on one core here, ~18x HF) where its wheel is installed, else tiktoken 
 Exactness is proven where it can be: at load, `prove_fast` checks over the whole vocabulary and
 merge list that rank-order BPE over these ranks and the HF BPE model give the same ids on every
 pre-token (the verdict is cached on disk by the tokenizer.json's sha256); both engines
-implement rank-order BPE. What cannot be proven is the split into pre-tokens: the libraries run
-the same regex on different engines (Oniguruma; fancy-regex or PCRE2). That is sampled: a fixed
-probe set at load, then a byte-proportional sample of every encode call is also encoded by the
-HF tokenizer and compared; any mismatch sends that whole call to the HF tokenizer (or is an
-error under ``tokenizer.backend: tiktoken`` or ``fastokens``). The decision is a function of the
-call's texts only, so output stays deterministic whichever process encodes it.
+implement rank-order BPE. The split into pre-tokens runs the same regex on different engines
+(Oniguruma; fancy-regex or PCRE2). Its character classes are proven at load over every code
+point (`proofs.split_exceptions`): a text holding a code point where the engines' classes
+differ (U+180E for cl100k on PCRE2) is encoded by HF (`SplitGuard`, `hf_split`). Its
+structure is sampled: a fixed probe set at load, then a byte-proportional sample of every
+encode call is also encoded by the HF tokenizer and compared; any mismatch sends that whole
+call to the HF tokenizer (or is an error under ``tokenizer.backend: tiktoken`` or
+``fastokens``). Every decision is a function of the call's texts only, so output stays
+deterministic whichever process encodes it.
+
+Threads: a `LoadedTokenizer` is immutable once loaded and shared by every thread of a process
+(see its docstring); `_CACHE` is filled under `_LOADING`.
 """
 
 from __future__ import annotations
@@ -453,7 +459,11 @@ class LoadedTokenizer:
             return "none" if i is None else f"{i} {self.tokenizer.id_to_token(i)!r}"
 
         if self.fast is not None:
-            backend = f"{self.fast.name} where exact (BPE proven, split sampled)"
+            classes = self.guarantees.split_classes if self.guarantees else "not checked"
+            backend = (
+                f"{self.fast.name} where exact (BPE proven, split classes {classes}, "
+                "split structure sampled)"
+            )
         elif self.guarantees is not None:
             why = self.guarantees.failed or self.guarantees.pretokenizer
             backend = f"hf (no fast engine is exact: {why})"
