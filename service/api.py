@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import Path as Path_
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
@@ -70,7 +71,7 @@ class Backend:
         self.timeout_s = timeout_s
         self._remote = hasattr(getattr(target, "status", None), "remote")
 
-    def call(self, method: str, *args):
+    def call(self, method: str, *args, timeout_s: float | None = None):
         fn = getattr(self.target, method)
         if self._remote:
             import ray
@@ -78,7 +79,7 @@ class Backend:
             from service.protocol import CONTROL_GROUP
 
             fn = fn.options(concurrency_group=CONTROL_GROUP)  # never queued behind rank polls
-            return ray.get(fn.remote(*args), timeout=self.timeout_s)
+            return ray.get(fn.remote(*args), timeout=timeout_s or self.timeout_s)
         return fn(*args)
 
 
@@ -308,6 +309,34 @@ def create_app(backend: Backend) -> FastAPI:
             if isinstance(e, LookupError):
                 raise HTTPException(404, str(e), headers={STATE_AUTH_HEADER: STATE_AUTH}) from None
             raise
+
+    @app.get(
+        "/v1/steps/{step}/provenance",
+        dependencies=[Depends(require_token)],
+        summary="Which documents fed a step (authenticated: it reveals the data)",
+        description="Every segment of the step's rows: stream, source file, record (0-based "
+        "line / row / sample), the token range within its document, the rank that got it "
+        "(`world_size`: the ranks the rows are split among, default the world served), and "
+        "with `text=true` the decoded text. A step the server still holds answers at once; an "
+        "older one is recomputed from the newest state kept at or before it (up to 120 s). "
+        "Needs `Authorization: Bearer <token>`.",
+    )
+    def provenance(
+        step: int = Path_(ge=0, le=2**62),
+        rank: int | None = Query(default=None, ge=0, le=1 << 20),
+        world_size: int | None = Query(default=None, ge=1, le=1 << 20),
+        text: bool = False,
+    ) -> Any:
+        try:
+            segs = backend.call("provenance", step, world_size, text, timeout_s=120.0)
+        except Exception as e:
+            e = _unwrap(e)
+            if isinstance(e, LookupError):
+                raise HTTPException(404, str(e)) from None
+            if isinstance(e, ValueError):
+                raise HTTPException(400, str(e)) from None
+            raise
+        return [s for s in segs if rank is None or s["rank"] == rank]
 
     @app.get("/", response_class=HTMLResponse)
     def page() -> str:

@@ -212,13 +212,13 @@ def _needs_ray(ready, address: str | None, report: ExportReport) -> bool:
     return used or ready.done() or requested_address(address) is not None
 
 
-def _read_state(path: str | None) -> dict | None:
+def _read_state(path: str | None, flag: str = "--resume") -> dict | None:
     if not path:
         return None
     try:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--resume {path}: cannot read the state: {e}") from None
+        raise ConfigError(f"{flag} {path}: cannot read the state: {e}") from None
 
 
 def cmd_serve(args) -> int:
@@ -229,6 +229,48 @@ def cmd_serve(args) -> int:
         cfg, resume=_read_state(args.resume), address=args.address, host=args.host,
         port=args.port, name=args.name, allow_config_change=args.allow_config_change,
     )  # fmt: skip
+
+
+def parse_steps(text: str) -> list[int]:
+    """`12`, `41230-41240` or `3,7,9-11`: the steps, ascending, each once."""
+    steps: set[int] = set()
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        try:
+            lo, hi = int(a), int(b or a)
+        except ValueError:
+            raise ConfigError(f"--step {text!r}: expected N, N-M or a comma list of them") from None
+        if lo < 0 or hi < lo or hi - lo > 100_000:
+            raise ConfigError(f"--step {text!r}: {part!r} is not a range of steps")
+        steps.update(range(lo, hi + 1))
+    return sorted(steps)
+
+
+def cmd_trace(args) -> int:
+    from pipeline.provenance import trace
+
+    cfg = load_config(args.config)
+    state = _read_state(args.state, "--state") if args.state else None
+    if args.state and not isinstance(state, dict):
+        raise ConfigError(f"--state {args.state}: not a state (a JSON object)")
+    segs = trace(
+        cfg, parse_steps(args.step), out=Path(args.out) if args.out else None, state=state,
+        rank=args.rank, world_size=args.world_size, text=args.text,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(segs, indent=1))
+        return 0
+    for seg in segs:
+        a, b = seg["tokens"]
+        print(f"step {seg['step']:>7}  row {seg['row']:>4}  rank {seg['rank']:>3}  "
+              f"{seg['stream']:<12} {seg['source']}, record {seg['record']}  "
+              f"tokens {a}-{b} of the document (row {seg['row_span'][0]}-{seg['row_span'][1]})")  # fmt: skip
+        if args.text:
+            text = seg["text"] if len(seg["text"]) <= 400 else seg["text"][:400] + " [...]"
+            print("    " + text.replace("\n", "\n    "))
+    print(f"{len(segs)} segments, {len({(s['stream'], s['doc_id']) for s in segs})} documents",
+          file=sys.stderr)  # fmt: skip
+    return 0
 
 
 def cmd_stop(args) -> int:
@@ -520,6 +562,29 @@ def build_parser() -> argparse.ArgumentParser:
         "recommended seq_len holds whole",
     )
     s.set_defaults(func=cmd_stats)
+
+    t = command(
+        "trace",
+        "which documents fed a step: each segment's stream, source file, record (0-based) and "
+        "token range within its document",
+    )
+    t.add_argument("--config", required=True, help=config_help)
+    t.add_argument("--step", required=True, help="a step, a range (41230-41240) or a list")
+    src = t.add_mutually_exclusive_group(required=True)
+    src.add_argument("--out", default=None, help="an export's directory (Parquet or Arrow)")
+    src.add_argument(
+        "--state", default=None,
+        help="a state at or before the step (state-N.json, GET /v1/state): the feed is rebuilt "
+        "there and run forward to the step, in this process",
+    )  # fmt: skip
+    t.add_argument("--rank", type=int, default=None, help="only this rank's rows")
+    t.add_argument(
+        "--world-size", type=int, default=None,
+        help="ranks the rows are split among (None: the export's, else 1)",
+    )  # fmt: skip
+    t.add_argument("--text", action="store_true", help="also each segment's decoded text")
+    t.add_argument("--json", action="store_true", help="one JSON list of segments")
+    t.set_defaults(func=cmd_trace)
 
     k = command("corpus", "write the demo corpus (from the standard library) to a directory")
     k.add_argument("--out", default="data/demo", help="the directory to write")

@@ -331,6 +331,32 @@ class BatchServer:
                 raise StepGone(f"no state for step {step} (states held: {held})")
             return states[step]
 
+    def provenance(self, step: int, world_size: int | None = None, text: bool = False) -> list:
+        """Which documents fed global step `step` (pipeline/provenance.py): from the step if
+        the window still holds it, else recomputed in this process from the newest state kept
+        at or before it (the feed rebuilt there, run forward: at most the steps between)."""
+        from pipeline.provenance import decoder, segments, state_step, stream_files
+
+        with self._cond:
+            batch = self.window.steps.get(step)
+            world = world_size or self.window.world or 1
+            states = self.producer.states
+            base = max((s for s in states if s <= step), default=None)
+            state = None if base is None else states[base]
+            produced = self.window.produced
+        if step >= produced:
+            raise StepGone(f"step {step} has not been produced yet (produced: {produced})")
+        if batch is None:
+            if state is None:
+                held = f"{min(states)}..{max(states)}" if states else "none"
+                raise StepGone(f"no state at or before step {step} is kept (states: {held})")
+            batch = state_step(self.cfg, state, step)
+        if world < 1 or self.cfg.global_batch_size % world:
+            raise ValueError(f"world size {world} does not divide {self.cfg.global_batch_size}")
+        files = stream_files(self.cfg)
+        decode = decoder(self.cfg) if text else None
+        return segments(batch, step, files, world, self.cfg.global_batch_size, decode)
+
     def seek(self, state: dict) -> int:
         """Continue from `state` (ranks resuming). A no-op when that step is still held.
 
