@@ -215,10 +215,12 @@ def _needs_ray(ready, address: str | None, report: ExportReport) -> bool:
 def _read_state(path: str | None, flag: str = "--resume") -> dict | None:
     if not path:
         return None
+    from pipeline.states import StateError, load_state
+
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{flag} {path}: cannot read the state: {e}") from None
+        return load_state(path)
+    except StateError as e:  # not JSON, or JSON that is not an object (`null` is no state)
+        raise ConfigError(f"{flag} {e}") from None
 
 
 def cmd_serve(args) -> int:
@@ -251,8 +253,6 @@ def cmd_trace(args) -> int:
 
     cfg = load_config(args.config)
     state = _read_state(args.state, "--state") if args.state else None
-    if args.state and not isinstance(state, dict):
-        raise ConfigError(f"--state {args.state}: not a state (a JSON object)")
     segs = trace(
         cfg, parse_steps(args.step), out=Path(args.out) if args.out else None, state=state,
         rank=args.rank, world_size=args.world_size, text=args.text,

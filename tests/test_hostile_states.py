@@ -258,10 +258,6 @@ def test_a_state_taken_right_after_a_resume_that_removed_a_stream_is_accepted(ru
         resumed.close()
 
 
-@pytest.mark.xfail(
-    reason="needs service/cli.py _read_state to use pipeline.states.load_state (issue 24)",
-    strict=False,
-)
 def test_export_resume_from_a_file_holding_null_fails_and_names_the_file(run, tmp_path):
     import subprocess
     import sys

@@ -172,7 +172,10 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict]:
     state = torch.load(path, map_location="cpu", weights_only=True)
     getattr(model, "module", model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    return state["step"], json.loads(state["feed"])
+    feed = json.loads(state["feed"])
+    if not isinstance(feed, dict):  # `null` would silently restart the data at step 0
+        raise ValueError(f"{path}: its feed state is {type(feed).__name__}, not a state object")
+    return state["step"], feed
 
 
 def main(argv: list[str] | None = None) -> dict:
