@@ -81,10 +81,33 @@ class PackingConfig(_Frozen):
 
 
 class ShuffleConfig(_Frozen):
-    """Seeded file order per epoch, plus a permutation inside consecutive windows of documents."""
+    """How a stream's documents are shuffled, per epoch (pipeline/shuffle.py, issue 26).
+
+    - `files`: false reads the files, and each file's pieces, in order (no piece order, no
+      interleave); with `window: 1` that is the files' own order.
+    - `pieces`: the pieces (byte ranges, row groups, shards; every file's) are read in a seeded
+      order across the stream, this many open at once, their documents merged by a seeded
+      schedule. Memory: the open pieces' tokens plus one read unit, per stream: about
+      `pieces` x `piece_bytes` + `read.block_bytes` (72 MiB by default); time to the first
+      step: a few pieces (one opens per 4 documents drawn); a resume re-reads the open
+      pieces (64 MiB by default). 0: the shuffle before issue 26 (seeded file order, each
+      file's pieces in order, one at a time).
+    - `piece_bytes`: files are cut this fine for the shuffle (JSONL byte ranges, Arrow batch
+      runs; a Parquet row group or an MDS shard is one piece whatever its size), at most
+      `read.piece_bytes`. Smaller pieces mix more pieces for the same memory, at one seek each.
+    - `window`: a permutation inside consecutive windows of this many documents, on top
+      (memory: the window's documents; the first window of an epoch holds 8).
+    """
 
     files: bool = True
+    pieces: int = Field(default=256, ge=0, le=65536)
+    piece_bytes: int = Field(default=256 << 10, ge=4 << 10)
     window: int = Field(default=256, ge=1, le=10_000_000)
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether pieces are read in a seeded order across files and interleaved."""
+        return self.files and self.pieces > 0
 
 
 MAX_RECORD_BYTES = 64 << 20
@@ -275,6 +298,8 @@ class Config(_Frozen):
             data["tokenizer"]["content_sha256"] = content
         if data["tokenizer"]["add_bos"] is None:  # hashed as the False it was before None
             data["tokenizer"]["add_bos"] = False
+        if not self.shuffle.interleaved:  # the shuffle before issue 26: its configs' hashes
+            del data["shuffle"]["pieces"], data["shuffle"]["piece_bytes"]
         if data["read"]["max_record_bytes"] == MAX_RECORD_BYTES:
             del data["read"]["max_record_bytes"]  # the default keeps older configs' hashes
         for stream in data["streams"].values():

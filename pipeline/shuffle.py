@@ -1,7 +1,39 @@
-"""Seeded shuffles: file order per epoch, and documents within consecutive windows.
+"""Seeded shuffles: the order pieces are read in, how open pieces interleave, and windows.
 
 Every generator is derived from (seed, stream name, epoch, counter), never from global state,
 so a run is a pure function of its config (STYLE §3).
+
+Three layers, each cheap to resume (issue 26):
+
+1. **Piece order** (`piece_order`). Every file of a stream is cut into pieces (byte ranges,
+   row groups, record-batch runs, shards: pipeline/sources.py). Each epoch reads all pieces of
+   all files in one seeded permutation, so a corpus that is one file sorted by source is read
+   from all over the file, not front to back.
+2. **Interleave** (`Interleave`). `shuffle.pieces` pieces are open at once and their
+   documents are merged by a seeded schedule. While pieces remain to be opened, each draw
+   picks an open piece uniformly, so every open piece drains at the same rate and the output
+   is an even mix of `shuffle.pieces` pieces; when a piece runs out, the next piece in the
+   epoch's order opens. Once every piece is open (the end of the epoch), a draw picks a piece
+   with probability proportional to the documents it has left: a uniformly random merge of
+   what is left, so the open pieces end together and the epoch's last windows stay mixed
+   (picking uniformly there would end the epoch on its last-opened pieces alone; mosaicml
+   streaming 796). It is the idea of Mosaic streaming's block shuffles (py1br/py1e: shuffle
+   shards, then spread each shard's samples over a block of the output), with a fixed number
+   of open pieces instead of a block of samples, so the memory is bounded by pieces, not by
+   samples. Piece i of an epoch opens no earlier than draw `OPEN_EVERY`·i: the first
+   documents of an epoch wait for a few pieces, not for `shuffle.pieces` of them. State: the
+   next piece to open, the draw count and, per open piece, how many of its rows were drawn;
+   a resume re-reads the open pieces.
+
+   Why this many: a 5% window that mixes M pieces of a corpus sorted by 10 sources has a top
+   share of about 0.1 + 2·sqrt(0.09/M) in its worst window, so 0.15 takes M of a few hundred
+   (bench/shuffle_quality.py); pieces of `shuffle.piece_bytes` (256 KiB) rather than the
+   read's 1 MiB give 256 open pieces for the memory of 64.
+3. **Window** (`WindowShuffle`): a permutation inside consecutive windows of documents.
+
+`shuffle.files: false` reads files and their pieces in order (no piece order, no interleave);
+`shuffle.pieces: 0` is the shuffle before issue 26 (seeded file order, each file's pieces in
+order, one at a time).
 
 The document shuffle permutes each run of `window` consecutive documents. A sliding shuffle
 buffer mixes a little further, but its state is the buffer itself; a fixed window is resumed
@@ -11,6 +43,8 @@ possible (the trade-off grain makes for its windowed shuffle too).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +55,7 @@ if TYPE_CHECKING:
     from pipeline.documents import Doc
     from pipeline.stage import Stage
 
-FILE_ORDER, DOC_WINDOW = 1, 2  # stream-of-randomness tags
+FILE_ORDER, DOC_WINDOW, PIECE_ORDER, INTERLEAVE = 1, 2, 3, 4  # stream-of-randomness tags
 
 
 def rng_for(seed: int, stream: str, epoch: int, tag: int, counter: int = 0) -> np.random.Generator:
@@ -39,14 +73,118 @@ def rng_for(seed: int, stream: str, epoch: int, tag: int, counter: int = 0) -> n
 def file_order(
     n_files: int, seed: int, stream: str, epoch: int, enabled: bool = True
 ) -> np.ndarray:
-    """The order in which a stream's files are read in `epoch`."""
+    """The order in which a stream's files are read in `epoch` (`shuffle.pieces: 0`)."""
     if not enabled:
         return np.arange(n_files)
     return rng_for(seed, stream, epoch, FILE_ORDER).permutation(n_files)
 
 
+def piece_order(n_pieces: int, seed: int, stream: str, epoch: int) -> np.ndarray:
+    """The order in which a stream's pieces (of every file, numbered file by file) are opened
+    in `epoch`: a fresh permutation per epoch."""
+    return rng_for(seed, stream, epoch, PIECE_ORDER).permutation(n_pieces)
+
+
 def window_permutation(size: int, seed: int, stream: str, epoch: int, window: int) -> np.ndarray:
     return rng_for(seed, stream, epoch, DOC_WINDOW, window).permutation(size)
+
+
+DRAW_CHUNK = 4096  # draws drawn at once: draw n is element n % 4096 of chunk n // 4096
+OPEN_EVERY = 4  # piece i of an epoch opens no earlier than draw OPEN_EVERY * i (the ramp)
+
+
+class Interleave:
+    """Which open piece gives each next document of one stream's epoch (see module, 2).
+
+    Pieces are numbered by their place in the epoch's `piece_order` (ordinals). The caller
+    opens pieces when asked (`to_open`, then `opened` with the piece's row count, bad records
+    included) and takes draws (`draw`: the ordinal and the row of that piece). Everything is
+    a function of the state (`snapshot`: next piece, draws, open pieces with rows drawn), so
+    a resumed schedule is the uninterrupted one. One thread owns an Interleave.
+
+    Cost per draw: O(open pieces) for the cumulative sums (a few microseconds at 64).
+    """
+
+    def __init__(self, limit: int, seed: int, stream: str, epoch: int, n_pieces: int,
+                 next_piece: int = 0, draws: int = 0,
+                 open_pieces: tuple[tuple[int, int], ...] = ()):  # fmt: skip
+        self.limit, self.n_pieces = max(1, limit), n_pieces
+        self.seed, self.stream, self.epoch = seed, stream, epoch
+        self.next_piece, self.draws = next_piece, draws
+        self.ords: list[int] = []  # open pieces, in the order they opened
+        self.done: list[int] = []  # rows drawn, per open piece
+        self.left: list[int] = []  # rows left, per open piece
+        # Open pieces of a resumed state whose row counts are not known yet, in order.
+        self._pending = [(int(o), int(d)) for o, d in open_pieces]
+        self._chunk = -1
+        self._uniform = np.zeros(0)
+
+    def to_open(self) -> int | None:
+        """The piece to open (read) before the next draw, or None: draw (or `finished`)."""
+        if self._pending:
+            return self._pending[0][0]
+        if self.next_piece >= self.n_pieces or len(self.ords) >= self.limit:
+            return None
+        if self.ords and self.next_piece * OPEN_EVERY > self.draws:
+            return None  # the ramp: not yet
+        return self.next_piece
+
+    def opened(self, ordinal: int, rows: int) -> int | None:
+        """Piece `ordinal` (what `to_open` named) has `rows` rows. Returns how many of them
+        were drawn before (a resumed piece), or None if it has none left to draw."""
+        if self._pending:
+            _, drawn = self._pending.pop(0)
+            if drawn >= rows:
+                raise ValueError(
+                    f"piece {ordinal} of epoch {self.epoch} has {rows} rows, the state has "
+                    f"drawn {drawn} of them: the stream's files changed since the state"
+                )
+        else:
+            drawn = 0
+            self.next_piece += 1
+        if rows <= drawn:
+            return None
+        self.ords.append(ordinal)
+        self.done.append(drawn)
+        self.left.append(rows - drawn)
+        return drawn
+
+    @property
+    def finished(self) -> bool:
+        """Every piece of the epoch was drawn to its end."""
+        return not self.ords and not self._pending and self.next_piece >= self.n_pieces
+
+    def snapshot(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """(next piece, draws, ((ordinal, rows drawn), ...)): the state, positions only."""
+        pairs = tuple(zip(self.ords, self.done, strict=True)) + tuple(self._pending)
+        return self.next_piece, self.draws, pairs
+
+    def _u(self, n: int) -> float:
+        chunk = n // DRAW_CHUNK
+        if chunk != self._chunk:
+            rng = rng_for(self.seed, self.stream, self.epoch, INTERLEAVE, chunk)
+            self._chunk, self._uniform = chunk, rng.random(DRAW_CHUNK)
+        return float(self._uniform[n % DRAW_CHUNK])
+
+    def draw(self) -> tuple[int, int, bool]:
+        """The next row: (piece ordinal, row in that piece, whether it was the piece's last).
+        Only when `to_open()` is None and not `finished`. Uniform over the open pieces while
+        pieces remain to open, then proportional to the rows they have left (module, 2)."""
+        u = self._u(self.draws)
+        if self.next_piece < self.n_pieces:
+            s = min(int(u * len(self.ords)), len(self.ords) - 1)
+        else:
+            total = sum(self.left)
+            pick = min(int(u * total), total - 1)
+            s = bisect.bisect_right(list(itertools.accumulate(self.left)), pick)
+        ordinal, row = self.ords[s], self.done[s]
+        self.draws += 1
+        self.done[s] += 1
+        self.left[s] -= 1
+        last = self.left[s] == 0
+        if last:
+            del self.ords[s], self.done[s], self.left[s]
+        return ordinal, row, last
 
 
 FIRST_WINDOW = 8

@@ -9,6 +9,11 @@ recorded when the test was written.
 
 If a change is *meant* to change the batches, the digest changes with it: say so in the
 commit and update GOLDEN, never silently.
+
+Two shuffles are pinned: today's default (pieces in a seeded order across files, interleaved,
+issue 26: GOLDEN) and `shuffle.pieces: 0`, the shuffle before it (LEGACY_GOLDEN, the digest
+recorded before issue 26, unchanged), which the states of earlier versions resume with
+(tests/test_state_migration.py builds its runs with `_config`'s default, that one).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import random
 
 import pyarrow.parquet as pq
+import pytest
 
 from pipeline.config import parse_config
 from pipeline.exports import expand_table
@@ -32,8 +38,12 @@ _WORDS = (
 )
 WORDS = _WORDS.split()
 # Recorded with the code of 0a3f24b (before issue 14's formats refactor, packaging and tokenizer
-# work) and unchanged after it.
-GOLDEN = "0197e61bc10056ac"
+# work) and unchanged after it, up to issue 26: now the digest of `shuffle.pieces: 0`.
+LEGACY_GOLDEN = "0197e61bc10056ac"
+# Issue 26: the default shuffle reads pieces (256 KiB: code.jsonl is two) in a seeded order
+# and interleaves them, so the batches changed.
+GOLDEN = "1cc017b592ceab57"
+LEGACY_SHUFFLE = {"window": 64, "pieces": 0}
 CORPUS_GOLDEN = "c89aec571414cc74"
 STEPS = 12
 COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids", "seq_lens", "stream", "doc_id",
@@ -58,11 +68,12 @@ def _corpus(tmp_path):
             f.write(json.dumps({"messages": turns}) + "\n")
 
 
-def _config(tmp_path):
+def _config(tmp_path, shuffle: dict | None = None):
+    """The demo mixture; `shuffle` None: the shuffle before issue 26 (LEGACY_SHUFFLE)."""
     return parse_config({
         "seed": 1234, "seq_len": 512, "global_batch_size": 8, "tokenizer": {"name": "default"},
         "packing": {"mode": "bfd", "buffer": 128, "overflow": "split"},
-        "shuffle": {"window": 64}, "on_error": "skip",
+        "shuffle": LEGACY_SHUFFLE if shuffle is None else shuffle, "on_error": "skip",
         "streams": {
             "code": {"kind": "pretrain", "paths": [str(tmp_path / "code.jsonl")], "weight": 0.7},
             "chat": {"kind": "chat", "paths": [str(tmp_path / "chat.jsonl")], "weight": 0.3},
@@ -80,13 +91,17 @@ def _digest(out, steps: range) -> str:
     return h.hexdigest()[:16]
 
 
-def test_the_demo_mixture_is_byte_identical_to_the_recorded_batches(tmp_path):
+@pytest.mark.parametrize(
+    ("shuffle", "golden"), [({"window": 64}, GOLDEN), (LEGACY_SHUFFLE, LEGACY_GOLDEN)],
+    ids=["default", "pieces-0"],
+)  # fmt: skip
+def test_the_demo_mixture_is_byte_identical_to_the_recorded_batches(tmp_path, shuffle, golden):
     _corpus(tmp_path)
-    cfg = _config(tmp_path)
+    cfg = _config(tmp_path, shuffle)
     out = tmp_path / "straight"
     run_export(cfg, out, steps=STEPS, executor=iter_blocks_local, state_every=STEPS // 2)
     straight = _digest(out, range(STEPS))
-    assert straight == GOLDEN, f"the batches changed: digest {straight}, recorded {GOLDEN}"
+    assert straight == golden, f"the batches changed: digest {straight}, recorded {golden}"
     # A resume from the halfway state continues the same sequence.
     state = json.loads((out / f"state-{STEPS // 2:08d}.json").read_text())
     again = tmp_path / "resumed"
