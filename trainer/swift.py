@@ -42,7 +42,7 @@ here, and the plugin says so in the log or refuses:
 |---|---|
 | `--packing`, `--padding_free`, `--packing_length` | ignored: the service packs (its `seq_len`, `packing.mode`) |
 | `--max_length`, `--truncation_strategy` | ignored: rows are the service's `seq_len`; a warning if that exceeds `--max_length` |
-| `--loss_scale` other than `default` | refused: the service's labels decide which tokens carry loss |
+| `--loss_scale` other than `default` (sft) or `all` (pt) | refused: the service's labels decide which tokens carry loss |
 | `--per_device_train_batch_size` | ignored (warning if > 1): a micro-batch is `global_batch_size / world_size` rows |
 | `--dataloader_num_workers`, `--streaming`, `--data_seed`, `--train_dataloader_shuffle` | ignored: the service reads, shuffles (its `seed`) and prefetches |
 | `--num_train_epochs` | ignored: `--max_steps N > 0` is required (a feed has no length) |
@@ -124,15 +124,17 @@ def check_template(template, per_device_batch: int) -> None:
             f"tokenmill: --sequence_parallel_size {sp} is not supported: its ranks must see the "
             "same rows, while each rank's feed serves that rank's own; use 1 (data parallel)"
         )
-    # Swift appends '+ignore_empty_think' by itself for hybrid thinking models.
+    # 'default' (sft) and 'all' (pt's default) both mean "train where labels are set", which
+    # here the service's labels decide; swift appends '+ignore_empty_think' by itself for
+    # hybrid thinking models, which needs its own encoding and so does nothing here.
     loss_scale = str(getattr(template, "_loss_scale", None) or "default")
-    if loss_scale.split("+")[0] != "default":
+    if loss_scale.split("+")[0] not in ("default", "all"):
         raise ValueError(
             f"tokenmill: --loss_scale {loss_scale!r} cannot apply: the service's labels decide "
             "which tokens carry loss (its chat masking); drop --loss_scale"
         )
     if "+" in loss_scale:
-        _log().warning("tokenmill: --loss_scale %r: only 'default' applies here", loss_scale)
+        _log().warning("tokenmill: --loss_scale %r: only the service's labels apply", loss_scale)
     if getattr(template, "padding_free", False):
         _log().warning(
             "tokenmill: --packing/--padding_free are ignored: the service packs the rows"
