@@ -89,7 +89,7 @@ class ShuffleConfig(_Frozen):
       order across the stream, this many open at once, their documents merged by a seeded
       schedule. Memory: the open pieces' tokens plus one read unit, per stream: about
       `pieces` x `piece_bytes` + `read.block_bytes` (72 MiB by default); time to the first
-      step: a few pieces (one opens per 4 documents drawn); a resume re-reads the open
+      step: a few pieces (one opens per 2 documents drawn); a resume re-reads the open
       pieces (64 MiB by default). 0: the shuffle before issue 26 (seeded file order, each
       file's pieces in order, one at a time).
     - `piece_bytes`: files are cut this fine for the shuffle (JSONL byte ranges, Arrow batch

@@ -90,7 +90,7 @@ def window_permutation(size: int, seed: int, stream: str, epoch: int, window: in
 
 
 DRAW_CHUNK = 4096  # draws drawn at once: draw n is element n % 4096 of chunk n // 4096
-OPEN_EVERY = 4  # piece i of an epoch opens no earlier than draw OPEN_EVERY * i (the ramp)
+OPEN_EVERY = 2  # piece i of an epoch opens no earlier than draw OPEN_EVERY * i (the ramp)
 
 
 class Interleave:
