@@ -493,6 +493,16 @@ def _families(m: dict, st: dict) -> list:
     for key, doc in stream_gauges():  # pipeline/summary.py declares them
         values = {n: s.get(key) for n, s in streams.items() if isinstance(s, dict)}
         (counter if key in STREAM_COUNTERS else gauge)(f"stream_{key}", doc, values, "stream")
+    loss = m.get("stream_loss")
+    loss_streams = loss.get("streams") if isinstance(loss, dict) else None
+    if isinstance(loss_streams, dict):
+        gauge(
+            "stream_loss",
+            "Token-weighted mean training loss per stream over the last complete steps, as the "
+            "ranks report it (trainer.feed.stream_loss)",
+            {n: v.get("loss") for n, v in loss_streams.items() if isinstance(v, dict)},
+            "stream",
+        )
     counter(
         "tokenizer_backend_tokens",
         "Tokens read, by the tokenizer backend that encoded them",

@@ -30,6 +30,7 @@ from pipeline.config import Config
 from pipeline.feed import Feed, rank_runs
 from pipeline.states import StateError
 from pipeline.summary import summarize
+from service.losses import StreamLosses
 from service.producer import Producer
 from service.protocol import (
     BEAT_S,
@@ -99,6 +100,7 @@ class BatchServer:
         self._lingering = threading.Condition(lock)
         self._linger_for: dict[int, int] = {}  # rank -> the step count (produced) it waits for
         self.telemetry = Telemetry()
+        self.losses = StreamLosses(list(self.cfg.streams))
         self._started = time.time()
         self._stop_requested = False
         self._owner: dict = {}
@@ -316,6 +318,15 @@ class BatchServer:
         ]
         return f"waiting for rank(s) {slow} (prefetch window of {self.prefetch} steps is full)"
 
+    def report_loss(self, rank: int, world_size: int, step: int, losses: dict) -> None:
+        """Rank `rank`'s loss per stream of global `step` (trainer.feed.stream_loss)."""
+        with self._cond:
+            if world_size != self.window.world or rank not in self.window.ranks:
+                return  # not a rank of the world served: rank-keyed state stays bounded
+            if not 0 <= int(step) < self.window.produced:
+                raise ValueError(f"step {step} has not been produced")
+        self.losses.add(rank, world_size, int(step), losses)
+
     def report_wait(self, rank: int, seconds: float) -> None:
         with self._cond:
             if rank not in self.window.ranks:  # rank-keyed telemetry stays within the world
@@ -515,4 +526,5 @@ class BatchServer:
                 "mixture_history": s.mixture_history,
                 "history": tel.history_view(),
                 "observations": tel.observations_view(),
+                "stream_loss": self.losses.view(),
             }

@@ -4,6 +4,7 @@ however many steps they were asked for."""
 
 import json
 import os
+import time
 
 import pytest
 import ray
@@ -57,3 +58,8 @@ def test_torchrun_trainer_trains_on_every_step_then_exits_0(ray_cluster, short_s
     total = produced_all(actor)
     summary = json.loads(next(x for x in out.splitlines() if x.startswith('{"summary"')))["summary"]
     assert summary["steps"] == total >= 4  # grad_accum 1: one optimizer step per global step
+    # Both ranks reported their loss per stream for every step (fire and forget: allow a beat).
+    deadline = time.time() + 10
+    while len(ray.get(actor.metrics.remote())["stream_loss"]["history"]) < total:
+        assert time.time() < deadline, ray.get(actor.metrics.remote())["stream_loss"]
+        time.sleep(0.2)

@@ -74,6 +74,11 @@ def prepare_packed(model) -> bool:
     )
 
 
+# The key under which a FeedDataset's batch carries its segments' streams and global step to
+# FeedTrainer.compute_loss (popped there, never passed to the model).
+LOSS_META = "tokenmill_meta"
+
+
 def hf_batch(batch: dict, flatten: bool = False) -> dict:
     """The keys an HF causal LM's forward takes, from a `Feed` batch ([1, B*L] if `flatten`)."""
     out = {k: batch[k] for k in HF_KEYS}
@@ -93,8 +98,10 @@ class FeedDataset(IterableDataset):
 
     def __init__(self, feed: Feed | None = None, *, service: str = SERVICE_NAME, rank: int = 0,
                  world_size: int = 1, address: str | None = None, state: dict | None = None,
-                 timeout_s: float = 60.0, flatten: bool = False):  # fmt: skip
+                 timeout_s: float = 60.0, flatten: bool = False,
+                 stream_loss: bool = False):  # fmt: skip
         super().__init__()
+        self.stream_loss = stream_loss  # carry LOSS_META for FeedTrainer's per-stream loss
         self.feed, self.service, self.address = feed, service, address
         self.rank, self.world_size = (feed.rank, feed.world_size) if feed else (rank, world_size)
         self.timeout_s, self.flatten = timeout_s, flatten
@@ -120,7 +127,11 @@ class FeedDataset(IterableDataset):
                 return
             self.wait_s += time.perf_counter() - t0
             self.batches += 1
-            yield hf_batch(batch, self.flatten)
+            out = hf_batch(batch, self.flatten)
+            if self.stream_loss:
+                out[LOSS_META] = {"stream": batch["stream"], "seq_lens": batch["seq_lens"],
+                                  "global_step": batch["global_step"]}  # fmt: skip
+            yield out
 
     def take_wait(self) -> float:
         """Seconds blocked in the feed since the last call (also reported to the service)."""
@@ -232,6 +243,9 @@ def _make_feed_trainer(Trainer):
           (a path, or True for the last one) reads it before the first batch is pulled.
         - Every log record gets `data_wait_s` (seconds blocked in the feed since the previous
           record) and `data_wait_fraction` (of the wall time since then).
+        - With `FeedDataset(stream_loss=True)`, each micro-batch's loss per stream goes to the
+          service (`/v1/metrics` `stream_loss`, the page, the mixing policy), computed from the
+          logits HF already has (one extra cross entropy without grad).
         """
 
         def __init__(self, *args, train_dataset: FeedDataset, **kwargs):
@@ -262,6 +276,22 @@ def _make_feed_trainer(Trainer):
                 train_dataset.flatten = True
             self.add_callback(feed_checkpoint_callback(train_dataset))
             self._wait_clock = None
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            meta = inputs.pop(LOSS_META, None)
+            feed = self.train_dataset.feed
+            if meta is None or feed is None:
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            want = kwargs.pop("return_outputs", args[0] if args else False)
+            if len(args) > 1:
+                kwargs.setdefault("num_items_in_batch", args[1])
+            loss, outputs = super().compute_loss(model, inputs, return_outputs=True, **kwargs)
+            logits = getattr(outputs, "logits", None)
+            if logits is None and isinstance(outputs, dict):
+                logits = outputs.get("logits")
+            if logits is not None:
+                feed.report_loss(meta["global_step"], _stream_loss(inputs["labels"], logits, meta))
+            return (loss, outputs) if want else loss
 
         def get_train_dataloader(self) -> DataLoader:
             return DataLoader(self.train_dataset, batch_size=None, num_workers=0)
@@ -294,6 +324,23 @@ def _make_feed_trainer(Trainer):
     if Trainer.__name__ != "Trainer":
         FeedTrainer.__name__ = FeedTrainer.__qualname__ = f"Feed{Trainer.__name__}"
     return FeedTrainer
+
+
+def _stream_loss(labels, logits, meta: dict) -> dict:
+    """Per stream [loss sum, tokens] of a micro-batch, from HF's logits (flattened [1, B*L]
+    rows as flash-attention takes them are cut back into B rows of L)."""
+    import torch
+
+    from trainer.feed import stream_loss
+    from trainer.model import token_losses
+
+    with torch.no_grad():
+        per_token = torch.nn.functional.pad(token_losses(logits, labels), (1, 0))
+    rows = len(meta["seq_lens"])
+    L = labels.numel() // rows
+    view = {"labels": labels.reshape(rows, L), "stream": meta["stream"],
+            "seq_lens": meta["seq_lens"]}  # fmt: skip
+    return stream_loss(view, per_token.reshape(rows, L))
 
 
 # -- Ray Train (TorchTrainer) -----------------------------------------------------------------

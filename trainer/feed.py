@@ -43,6 +43,7 @@ from service.protocol import (
     BEAT_GROUP,
     CONSUMER_GROUP,
     CONTROL_GROUP,
+    IGNORE_LABEL,
     LOOKAHEAD,
     META_GLOBAL_STEP,
     META_STEP_ROWS,
@@ -82,6 +83,7 @@ def to_torch_steps(batch) -> Iterator[dict]:
     first = int(meta.get(META_GLOBAL_STEP, b"-1"))
     rows = [int(r) for r in meta[META_STEP_ROWS].split(b",")] if META_STEP_ROWS in meta else [n]
     lens = batch.column("seq_lens").to_pylist()
+    streams = batch.column("stream").to_pylist()
     at, i = 0, 0
     while i < len(rows):
         j, m = i + 1, rows[i]  # steps i..j-1, m rows, in this pass
@@ -96,10 +98,43 @@ def to_torch_steps(batch) -> Iterator[dict]:
         for k in range(i, j):
             step = {name: t[a : a + rows[k]] for name, t in cols.items()}
             step["seq_lens"] = lens[at + a : at + a + rows[k]]
+            step["stream"] = streams[at + a : at + a + rows[k]]
             step["global_step"] = first + k
             a += rows[k]
             yield step
         at, i = at + m, j
+
+
+def stream_loss(batch: dict, token_loss) -> dict[str, list[float]]:
+    """Per stream, [summed loss, labelled tokens] of one batch: what `Feed.report_loss` takes.
+
+    `token_loss`: the per-token loss the trainer already has, [B, L - 1] with HF's shift
+    (`token_loss[:, t]` is the loss of predicting `labels[:, t + 1]`; e.g. cross entropy with
+    `reduction="none"` over `logits[:, :-1]`), or [B, L] aligned with `labels`. Only tokens
+    whose label is not -100 count. A label's token belongs to the segment it sits in, and a
+    segment's first label is always -100, so a loss is never credited across documents."""
+    import torch
+
+    labels = batch["labels"]
+    B, L = labels.shape
+    tl = token_loss.detach().float().reshape(B, -1).to(labels.device)
+    if tl.shape[1] == L - 1:
+        tl = torch.nn.functional.pad(tl, (1, 0))
+    if tl.shape[1] != L:
+        raise ValueError(f"token_loss has shape {tuple(token_loss.shape)}; want [{B}, {L - 1}]")
+    names = sorted({name for row in batch["stream"] for name in row})
+    code = torch.full((B, L), -1, dtype=torch.long)
+    for r, (lens, row) in enumerate(zip(batch["seq_lens"], batch["stream"], strict=True)):
+        idx = torch.tensor([names.index(n) for n in row], dtype=torch.long)
+        n = int(sum(lens))
+        code[r, :n] = torch.repeat_interleave(idx, torch.tensor(lens, dtype=torch.long))
+    code = code.to(labels.device)
+    counted = labels != IGNORE_LABEL
+    out = {}
+    for c, name in enumerate(names):
+        m = counted & (code == c)
+        out[name] = [float(tl[m].sum()), int(m.sum())]
+    return out
 
 
 class Feed:
@@ -241,6 +276,14 @@ class Feed:
                 print(f"tokenmill: rank {self.rank} waits for step {self.step}: {reply.reason}",
                       file=sys.stderr, flush=True)  # fmt: skip
         return list(reply.runs)
+
+    def report_loss(self, step: int, losses: dict[str, list[float]]) -> None:
+        """Global step `step`'s loss per stream on this rank (`stream_loss`), fire and forget:
+        the service joins the ranks' reports per step (metrics, page, the mixing policy)."""
+        if self.server is None:
+            return
+        fn = self.server.report_loss.options(concurrency_group=CONTROL_GROUP)
+        fn.remote(self.rank, self.world_size, int(step), losses)
 
     def report_wait(self, seconds: float) -> None:
         fn = self.server.report_wait.options(concurrency_group=CONTROL_GROUP)

@@ -151,18 +151,23 @@ def forward_packed(
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask).logits
 
 
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token next-token cross entropy, HF convention, [B, L - 1]: entry t is the loss of
+    predicting labels[:, t + 1] from logits[:, t]; 0 where that label is -100."""
+    B, L = labels.shape
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    ).reshape(B, L - 1)
+
+
 def packed_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Next-token cross entropy, HF convention: labels align with input_ids, shift inside.
 
     logits[:, t] predicts labels[:, t + 1]; -100 is ignored. Returns the mean over labelled
     tokens (0 when there are none) and their count.
     """
-    targets = labels[:, 1:].reshape(-1)
-    count = int((targets != IGNORE_INDEX).sum())
-    total = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        targets,
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
-    return total / max(count, 1), count
+    count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return token_losses(logits, labels).sum() / max(count, 1), count

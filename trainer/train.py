@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from service.protocol import TENSOR_COLUMNS
-from trainer.model import IGNORE_INDEX, forward_packed, packed_loss, small_llama
+from trainer.feed import stream_loss
+from trainer.model import IGNORE_INDEX, forward_packed, small_llama, token_losses
 
 TENSOR_KEYS = TENSOR_COLUMNS
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -59,12 +60,14 @@ def train(
     report_wait: Callable[[float], None] | None = None,
     on_step: Callable[[int], None] | None = None,
     start_step: int = 0,
+    report_loss: Callable[[int, dict], None] | None = None,
 ) -> dict:
     """Run optimizer steps `start_step + 1 .. steps` (fewer if `batches` ends); summarize.
 
     `log` gets one dict per step (every rank calls it; `main` prints on rank 0 only);
     `report_wait` gets the seconds this rank was blocked in `next(batches)`; `on_step` gets
-    the step number after the optimizer step (checkpointing).
+    the step number after the optimizer step (checkpointing); `report_loss` gets each
+    micro-batch's global step and its loss per stream (`trainer.feed.stream_loss`).
     """
     rank, world = _world()
     device = next(model.parameters()).device
@@ -109,8 +112,12 @@ def train(
                         b["segment_ids"],
                         batch.get("seq_lens"),
                     )
-                    mean, count = packed_loss(logits, b["labels"])
+                    per_token = token_losses(logits, b["labels"])
+                    count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
+                    mean = per_token.sum() / max(count, 1)
                 (mean * count * scale).backward()
+            if report_loss is not None and "stream" in batch:
+                report_loss(batch["global_step"], stream_loss({**batch, **b}, per_token))
             loss_sum += float(mean.detach()) * count
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -253,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
             report_wait=feed.report_wait,
             on_step=on_step,
             start_step=start_step,
+            report_loss=feed.report_loss,
         )
         if ckpt and rank == 0 and summary["last_step"] > saved[0]:  # the final state
             save_checkpoint(ckpt, model, optimizer, feed.state_dict(), summary["last_step"])
