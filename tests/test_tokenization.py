@@ -6,6 +6,7 @@ import functools
 import hashlib
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,8 @@ def test_each_fast_engine_can_be_named_and_is_exact(engine):
     tok = load_tokenizer(TokenizerConfig(backend=engine))
     assert tok.fast is not None and tok.fast.name == engine
     texts = [*FAST_PROBE, *stdlib_texts(30), "0" * 5000, " \n" * 3000]
+    # A text with a code point the engine's classes are not proven on goes to HF (U+180E).
+    texts = [t for t in texts if not (tok.split_guard and tok.split_guard.hits([t]))]
     flat, offsets, backend = replace(tok, verify_fraction=1.0).encode_verified(texts)
     assert backend == tok.fast.code
     want_flat, want_offsets = tok.encode(texts)
@@ -266,9 +269,12 @@ def test_fast_backend_is_proven_exact_for_the_default_tokenizer(tokenizer):
         "pretokenizer": "sampled",
         "normalizer": "none",
         "failed": None,
+        "split_classes": "proven; to hf: U+180E",
     }
     assert g.proven and tokenizer.fast is not None
-    assert prove_fast(json.loads(default_tokenizer_file().read_text()), tokenizer.fast.ranks) == g
+    # prove_fast proves the BPE part; the split's classes are proven apart (split_exceptions).
+    fresh = prove_fast(json.loads(default_tokenizer_file().read_text()), tokenizer.fast.ranks)
+    assert fresh == replace(g, split_classes="not checked")
 
 
 @functools.cache
