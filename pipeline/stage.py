@@ -1,6 +1,7 @@
 """The stage protocol: every stateful stage of the feed is an iterator with explicit state.
 
-    DocSource (per stream: read, tokenize, reject)      documents.py
+    DocSource (per stream: read, tokenize, reject;     documents.py
+               pieces in a seeded order, interleaved)    shuffle.py (Interleave)
       -> WindowShuffle (per stream)                      shuffle.py
         -> Packer (all streams, by name; DeficitMixer)   packing.py, mixing.py
           -> Feed (global steps)                         feed.py
@@ -13,9 +14,10 @@ like grain's `DatasetIterator` and torchdata's `BaseNode`:
   resumed by handing the state down the chain, each stage taking its part.
 - `set_state(state)` comes before the first `__next__`; afterwards the stage yields exactly
   what the stage that wrote the state would have yielded next.
-- A stage that buffers (the shuffle window, the packers) does not save its buffer. It saves
-  where its input stood when the oldest buffered item came, and rebuilds the buffer on resume
-  by replaying its input from there (grain's packer does the same). For that, every item a
+- A stage that buffers (the open pieces, the shuffle window, the packers) does not save its
+  buffer. It saves where its input stood when the oldest buffered item came (the DocSource:
+  which pieces are open and how far each was drawn), and rebuilds the buffer on resume by
+  replaying its input from there (grain's packer does the same). For that, every item a
   stage emits carries `cursor`: where that stage stood just before the item, and
   `get_state(at=cursor)` is the state that resumes at that item.
 - State keys are module constants, so a reader of a state knows where each key is written.

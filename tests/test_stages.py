@@ -80,13 +80,17 @@ def _source(cfg, state):
     return source
 
 
+@pytest.mark.parametrize("pieces", [256, 3, 0], ids=["all-open", "3-open", "file-order"])
 @pytest.mark.parametrize("max_tokens", [None, 20_000])
-def test_the_document_source_resumes_exactly(tmp_path, max_tokens):
-    """Two epochs of two files in small units, with rejects; and stopped by max_tokens."""
+def test_the_document_source_resumes_exactly(tmp_path, max_tokens, pieces):
+    """Two epochs of two files in small units, with rejects; and stopped by max_tokens. Pieces
+    interleaved (all open at once, or 3 of them), or read in file order (`pieces: 0`)."""
     cfg = _stream_cfg(tmp_path)
+    stream = {"paths": [str(tmp_path / "*.jsonl")], "repeat": 2}
     if max_tokens:
-        cfg = parse_config(cfg.model_dump(mode="json") | {"streams": {"s": {
-            "paths": [str(tmp_path / "*.jsonl")], "repeat": 2, "max_tokens": max_tokens}}})  # fmt: skip
+        stream["max_tokens"] = max_tokens
+    cfg = parse_config(cfg.model_dump(mode="json") | {"streams": {"s": stream},
+                       "shuffle": {"window": 4, "pieces": pieces, "piece_bytes": 4096}})  # fmt: skip
     assert_stage_conforms(lambda s: _source(cfg, s), 200, [0, 1, 5, 17, 37], doc_key)
 
 
