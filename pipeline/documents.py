@@ -80,15 +80,21 @@ class SourcePos:
 class OpenPos:
     """Where an interleaved stream stands (`shuffle.pieces` > 0): `pos` holds the epoch, the
     next piece to open (as `unit`), the rows drawn in the epoch (as `row`) and the counters;
-    `open` is (piece ordinal, rows drawn) per open piece. Positions only: a resume re-reads
-    the open pieces and draws on."""
+    the open pieces are `ords`, with `done` rows drawn of each. Positions only: a resume
+    re-reads the open pieces and draws on."""
 
     pos: SourcePos
-    open: tuple[tuple[int, int], ...] = ()
+    ords: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
 
     @property
     def epoch(self) -> int:
         return self.pos.epoch
+
+    @property
+    def open(self) -> list[list[int]]:
+        """[[piece ordinal, rows drawn], ...] (the state's OPEN)."""
+        return [[o, d] for o, d in zip(self.ords, self.done, strict=True)]
 
 
 # DocSource state keys
@@ -179,14 +185,13 @@ class DocSource:
             assert not isinstance(at, OpenPos)
             return {POSITION: (at or self.pos).to_json(), REPORTED: list(self.read_mark)}
         if at is None:
-            here = self._open0 if self._il is None else self._il.snapshot()[2]
-            at = OpenPos(self.pos, here)
+            if self._il is None:
+                ords, done = (tuple(p[k] for p in self._open0) for k in (0, 1))
+                at = OpenPos(self.pos, ords, done)
+            else:
+                at = OpenPos(self.pos, *self._il.snapshot()[2:])
         assert isinstance(at, OpenPos)
-        return {
-            POSITION: at.pos.to_json(),
-            REPORTED: list(self.read_mark),
-            OPEN: [list(pair) for pair in at.open],
-        }
+        return {POSITION: at.pos.to_json(), REPORTED: list(self.read_mark), OPEN: at.open}
 
     def set_state(self, state: dict) -> None:
         assert self._early is None and self._rows is None, "set_state after reading began"
@@ -443,7 +448,7 @@ class DocSource:
                 want = il.to_open()
             if il.finished:
                 return
-            next_piece, draws, open_now = il.snapshot()
+            next_piece, draws, ords_now, done_now = il.snapshot()
             ordinal, row, last = il.draw()
             batch, i = slots[ordinal].take()
             if last:
@@ -457,7 +462,7 @@ class DocSource:
                 self.pos = SourcePos(epoch, il.next_piece, il.draws, c.docs, c.tokens, c.skipped)
                 continue
             before = OpenPos(SourcePos(epoch, next_piece, draws, c.docs, c.tokens, c.skipped),
-                             open_now)  # fmt: skip
+                             ords_now, done_now)  # fmt: skip
             a, b = batch.offsets[i], batch.offsets[i + 1]
             n = int(b - a)
             c.docs += 1
@@ -579,34 +584,31 @@ def _by_piece(ords: list[int], parts: list, order: list[Piece], ends: list[int])
     segments) for each of `ords` (the unit's pieces, in order; [] for an empty one).
 
     A row's piece is the one of its file whose records [first_record, end) hold its record
-    (pieces read in order, so a pointer walks forward); a whole-piece error (WHOLE_FILE) goes
-    to the current piece if it is of that file, else to the next of that file."""
+    (vectorized, one comparison per piece of the unit); a whole-piece error (WHOLE_FILE) goes
+    to the piece of the row before it if that is of its file, else to the next piece of its
+    file. Pieces are read in order, so the rows' pieces never go back."""
     out: dict[int, list] = {o: [] for o in ords}
-    k = 0
-
-    def holds(o: int, fi: int, rec: int) -> bool:
-        piece = order[o]
-        if piece.file_index != fi:
-            return False
-        return rec == WHOLE_FILE or piece.first_record <= rec < ends[o]
-
+    files = [order[o].file_index for o in ords]
+    k = 0  # the piece of the last row seen (its index in `ords`)
     for batch, a, z in parts:
-        ids, start = batch.ids, a
-        for i in range(a, z):
-            doc_id = int(ids[i])
-            fi, rec = doc_id >> 32, doc_id & 0xFFFFFFFF
-            j = k
-            while not holds(ords[j], fi, rec):
-                j += 1
-                if j == len(ords):
-                    raise ValueError(
-                        f"record {rec} of file {fi} is in none of its read unit's pieces "
-                        "(did the file change while it was read?)"
-                    )
-            if j != k:
-                if i > start:
-                    out[ords[k]].append((batch, start, i))
-                k, start = j, i
-        if z > start:
-            out[ords[k]].append((batch, start, z))
+        ids = batch.ids[a:z]
+        fi, rec = (ids >> 32).astype(np.int64), (ids & 0xFFFFFFFF).astype(np.int64)
+        which = np.full(z - a, -1, dtype=np.int64)
+        for j, o in enumerate(ords):
+            hit = (fi == files[j]) & (rec >= order[o].first_record) & (rec < ends[o])
+            which[hit] = j
+        for i in np.flatnonzero(rec == WHOLE_FILE).tolist():
+            before = int(which[i - 1]) if i else k
+            same = [j for j in range(before, len(ords)) if files[j] == fi[i]]
+            which[i] = same[0] if same else -1
+        if (which < 0).any() or which[0] < k or (np.diff(which) < 0).any():
+            bad = int(np.flatnonzero(which < 0)[0]) if (which < 0).any() else 0
+            raise ValueError(
+                f"record {int(rec[bad])} of file {int(fi[bad])} is out of its read unit's "
+                "pieces or order (did the file change while it was read?)"
+            )
+        cuts = [0, *(np.flatnonzero(which[1:] != which[:-1]) + 1).tolist(), z - a]
+        for s, e in zip(cuts, cuts[1:], strict=False):
+            out[ords[int(which[s])]].append((batch, a + s, a + e))
+        k = int(which[-1])
     return [(o, out[o]) for o in ords]

@@ -118,6 +118,7 @@ class Interleave:
         self._pending = [(int(o), int(d)) for o, d in open_pieces]
         self._chunk = -1
         self._uniform = np.zeros(0)
+        self._ords: tuple[int, ...] | None = ()  # `ords` as a tuple, until it changes
 
     def to_open(self) -> int | None:
         """The piece to open (read) before the next draw, or None: draw (or `finished`)."""
@@ -147,6 +148,7 @@ class Interleave:
         self.ords.append(ordinal)
         self.done.append(drawn)
         self.left.append(rows - drawn)
+        self._ords = None
         return drawn
 
     @property
@@ -154,10 +156,17 @@ class Interleave:
         """Every piece of the epoch was drawn to its end."""
         return not self.ords and not self._pending and self.next_piece >= self.n_pieces
 
-    def snapshot(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
-        """(next piece, draws, ((ordinal, rows drawn), ...)): the state, positions only."""
-        pairs = tuple(zip(self.ords, self.done, strict=True)) + tuple(self._pending)
-        return self.next_piece, self.draws, pairs
+    def snapshot(self) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+        """(next piece, draws, open pieces' ordinals, rows drawn of each): the state, positions
+        only. Cheap enough per document: the ordinals' tuple is shared until a piece opens or
+        ends, the counts are one tuple copy."""
+        if self._pending:
+            ords = tuple(self.ords) + tuple(o for o, _ in self._pending)
+            done = tuple(self.done) + tuple(d for _, d in self._pending)
+            return self.next_piece, self.draws, ords, done
+        if self._ords is None:
+            self._ords = tuple(self.ords)
+        return self.next_piece, self.draws, self._ords, tuple(self.done)
 
     def _u(self, n: int) -> float:
         chunk = n // DRAW_CHUNK
@@ -184,6 +193,7 @@ class Interleave:
         last = self.left[s] == 0
         if last:
             del self.ords[s], self.done[s], self.left[s]
+            self._ords = None
         return ordinal, row, last
 
 

@@ -89,7 +89,8 @@ def test_the_schedule_draws_every_row_once_and_resumes_from_its_snapshot():
     for p in range(len(sizes)):  # each piece's rows in order
         assert [r for q, r in drawn if q == p] == list(range(sizes[p]))
     for k in (0, 7, 20, len(drawn) - 1):
-        nxt, draws, pairs = snaps[k]
+        nxt, draws, ords, done = snaps[k]
+        pairs = tuple(zip(ords, done, strict=True))
         again = Interleave(3, 1, "x", 0, len(sizes), nxt, draws, pairs)
         rest = []
         while not again.finished:
@@ -217,3 +218,21 @@ def test_the_old_shuffle_hashes_without_the_new_settings(sorted_corpus):
         old.config_hash() == _cfg(sorted_corpus, {"pieces": 0, "piece_bytes": 8192}).config_hash()
     )
     assert _cfg(sorted_corpus).config_hash() != old.config_hash()
+
+
+def test_ray_workers_and_the_head_start_give_the_in_process_order(ray_cluster, sorted_corpus,
+                                                                  tmp_path):  # fmt: skip
+    """The interleave is a function of the content, not of which process tokenized a unit or
+    when its block came: Ray Data with the head start, and a resume through it, give the
+    bytes of the in-process run."""
+    cfg = _cfg(sorted_corpus)
+    run_export(cfg, tmp_path / "local", steps=8, executor=iter_blocks_local, state_every=4)
+    run_export(cfg, tmp_path / "ray", steps=8)
+    state = json.loads((tmp_path / "local" / "state-00000004.json").read_text())
+    run_export(cfg, tmp_path / "resumed", steps=4, resume=state)
+    for step in range(8):
+        name = f"step-{step:08d}-rank-0.parquet"
+        local = (tmp_path / "local" / name).read_bytes()
+        assert (tmp_path / "ray" / name).read_bytes() == local, step
+        if step >= 4:
+            assert (tmp_path / "resumed" / name).read_bytes() == local, step
