@@ -9,12 +9,16 @@ epoch cut into 20 windows of 5% of its tokens:
 - `first_top`: the largest share of one source's tokens in the first 5%;
 - `max_top`: that share in the worst 5% window;
 - `mean_tv`: the mean total-variation distance between a window's source mix and the corpus's;
-- `first_step_s`: a Feed's time to its first global step (in-process tokenizer; the median
-  of 3, the first of which also loads the tokenizer);
-- `epoch_rss_mb`: the most resident memory the epoch's read added (sampled every 64
-  documents, less the memory before it): the blocks the stream holds, open pieces included;
+- `first_step_s`: a Feed's time to its first global step (in-process tokenizer, loaded
+  before; the median of 3, after the epoch);
+- `epoch_s`: the epoch's read through the shuffle (tokenizing in this process included, under
+  tracemalloc);
+- `epoch_peak_mb`: the most memory allocated at once during the epoch's read (tracemalloc,
+  which sees the numpy buffers that the blocks' tokens live in, and every Python object): the
+  blocks the stream holds, open pieces included (the resident size hides it: the tokenizer's
+  load leaves freed memory that the read reuses);
 - `peak_rss_mb`: the process's peak resident memory over the first steps and the epoch,
-  and `base_rss_mb` after imports, before reading.
+  and `base_rss_mb` with the tokenizer loaded, before reading.
 
 Shuffles: `old` (`shuffle.pieces: 0`: seeded file order, pieces in order, the 256-document
 window: the shuffle before issue 26), `new` (the defaults), `global` (a seeded permutation of
@@ -32,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -96,22 +101,29 @@ def windows(labels: np.ndarray, tokens: np.ndarray, sources: int, parts: int = 2
     }
 
 
-def _rss_mb() -> float:
-    """This process's resident memory now (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
 def child(corpus: Path, name: str, per_source: int, sources: int, seed: int) -> dict:
     """One shuffle's figures (run in its own process)."""
     from pipeline.documents import DocSource
     from pipeline.feed import Feed
     from pipeline.reading import iter_blocks_local
     from pipeline.shuffle import WindowShuffle
+    from pipeline.tokenization import load_tokenizer
 
     cfg = config(corpus, SHUFFLES[name], seed)
+    load_tokenizer(cfg.tokenizer)  # its memory is not the shuffle's
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     out: dict = {"shuffle": name, "settings": cfg.shuffle.model_dump()}
+    source = DocSource("corpus", 0, cfg, iter_blocks_local)
+    source.start()
+    records, lengths = [], []
+    tracemalloc.start()
+    t0 = time.monotonic()
+    for doc in WindowShuffle(source, cfg.shuffle.window, cfg.seed, "corpus"):
+        records.append(doc.doc_id & 0xFFFFFFFF)
+        lengths.append(len(doc))
+    out["epoch_s"] = round(time.monotonic() - t0, 1)  # under tracemalloc: slower
+    out["epoch_peak_mb"] = round(tracemalloc.get_traced_memory()[1] / 2**20)
+    tracemalloc.stop()
     if name != "global":
         times = []
         for _ in range(3):
@@ -121,20 +133,11 @@ def child(corpus: Path, name: str, per_source: int, sources: int, seed: int) -> 
             times.append(time.monotonic() - t0)
             feed.close()
         out["first_step_s"] = round(sorted(times)[1], 2)
-    source = DocSource("corpus", 0, cfg, iter_blocks_local)
-    source.start()
-    records, lengths, before, most = [], [], _rss_mb(), 0.0
-    for doc in WindowShuffle(source, cfg.shuffle.window, cfg.seed, "corpus"):
-        records.append(doc.doc_id & 0xFFFFFFFF)
-        lengths.append(len(doc))
-        if len(records) % 64 == 0:
-            most = max(most, _rss_mb())
     labels, tokens = np.array(records) // per_source, np.array(lengths)
     if name == "global":
         order = np.random.default_rng(seed).permutation(len(labels))
         labels, tokens = labels[order], tokens[order]
     else:
-        out["epoch_rss_mb"] = round(most - before)
         out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         out["base_rss_mb"] = round(base)
     out["docs"] = len(labels)
@@ -172,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{name:>6}: first 5% top {r['first_top']:.3f}  worst 5% top {r['max_top']:.3f}"
                 f"  mean TV {r['mean_tv']:.3f}  first step {r.get('first_step_s', '-')} s"
-                f"  epoch +{r.get('epoch_rss_mb', '-')} MB"
+                f"  epoch {r['epoch_s']} s, peak {r['epoch_peak_mb']} MB"
                 f"  peak RSS {r.get('peak_rss_mb', '-')} MB (base {r.get('base_rss_mb', '-')})"
             )
     if args.json:
