@@ -336,6 +336,13 @@ class DocSource:
         """The units that read `epoch` from a position: the open pieces (re-read on a
         resume), then every piece from `next_piece` on; and each unit's piece ordinals."""
         order, _ = self._order(epoch)
+        late = [o for o, _ in open_pieces if o >= min(next_piece, len(order))]
+        if late:
+            raise ValueError(
+                f"resume state: stream {self.name!r}: open piece {late[0]} was not opened yet "
+                f"(next piece {next_piece}, {len(order)} pieces in epoch {epoch}): a state of "
+                "other files or settings?"
+            )
         todo = [o for o, _ in open_pieces] + list(range(next_piece, len(order)))
         read = self.cfg.read
         first = read.first_block_bytes if epoch == 0 else read.block_bytes  # as `units`

@@ -207,6 +207,10 @@ def test_a_state_of_the_interleave_is_refused_by_a_config_without_it(sorted_corp
     bad = state | {OPEN: [[3, 1], [2, 0]]}
     with pytest.raises(ValueError, match="increasing pieces"):
         DocSource("s", 0, _cfg(sorted_corpus), iter_blocks_local).set_state(bad)
+    with pytest.raises(ValueError, match="open piece 9999 was not opened yet"):
+        _source(_cfg(sorted_corpus), state | {OPEN: [[9999, 0]]})
+    with pytest.raises(ValueError, match="files changed since the state"):
+        list(_source(_cfg(sorted_corpus), state | {OPEN: [[0, 10**6]]}))
 
 
 def test_the_old_shuffle_hashes_without_the_new_settings(sorted_corpus):
