@@ -28,7 +28,7 @@ import pyarrow as pa
 from pipeline.arrays import valid, view
 from pipeline.config import Config
 from pipeline.reading import Executor, Unit, group_units
-from pipeline.shuffle import Interleave, file_order, piece_order
+from pipeline.shuffle import Interleave, PieceRows, by_piece, file_order, piece_order
 from pipeline.sources import WHOLE_FILE, Access, Piece, data_files, plan_pieces
 from pipeline.tokenization import BACKEND_NAMES
 
@@ -381,20 +381,10 @@ class DocSource:
         unit, row = unit0, 0
         for block in self._blocks(epoch, unit0):
             self.first_block_at = self.first_block_at or time.monotonic()
-            for batch in block.to_batches():
-                units = view(batch.column("unit"))
-                ids = view(batch.column("doc_id"))
-                toks = batch.column("tokens")
-                offsets = view(toks.offsets)
-                values = view(toks.values)
-                loss_col = batch.column("loss")
-                has_loss = loss_col.null_count < len(loss_col)
-                loss_values = view(loss_col.values) if has_loss else None
-                loss_offsets = view(loss_col.offsets) if has_loss else None
-                backends = view(batch.column("backend"))
+            for record_batch in block.to_batches():
+                batch = _Batch(record_batch)
+                units, ids, offsets, bad = batch.units, batch.ids, batch.offsets, batch.bad
                 per_backend = c.backend_tokens
-                errors = batch.column("error")
-                bad = valid(errors) if errors.null_count < len(errors) else None
                 for i in range(len(ids)):
                     if units[i] != unit:
                         unit, row = int(units[i]), 0
@@ -403,25 +393,21 @@ class DocSource:
                         continue  # before the resume point
                     mark = (epoch, unit, here)
                     if bad is not None and bad[i]:
-                        self._reject(int(ids[i]), errors[i].as_py(), report=mark > self.reported)
+                        self._reject(int(ids[i]), batch.errors[i].as_py(),
+                                     report=mark > self.reported)  # fmt: skip
                         self.read_mark = max(self.read_mark, mark)
                         self.pos = SourcePos(epoch, unit, row, c.docs, c.tokens, c.skipped)
                         continue
                     self.read_mark = max(self.read_mark, mark)
                     a, b = offsets[i], offsets[i + 1]
-                    loss = (
-                        loss_values[loss_offsets[i] : loss_offsets[i + 1]]
-                        if loss_values is not None and loss_offsets is not None  # has_loss
-                        else None
-                    )
                     before = SourcePos(epoch, unit, here, c.docs, c.tokens, c.skipped)
                     c.docs += 1
                     c.tokens += int(b - a)
-                    per_backend[backends[i]] += int(b - a)
+                    per_backend[batch.backends[i]] += int(b - a)
                     if len(c.lengths) < self.LENGTH_SAMPLE:
                         c.lengths.append(int(b - a))
                     self.pos = SourcePos(epoch, unit, row, c.docs, c.tokens, c.skipped)
-                    yield Doc(self.index, int(ids[i]), values[a:b], loss, before)
+                    yield Doc(self.index, int(ids[i]), batch.values[a:b], batch.loss(i), before)
                     if cap is not None and c.tokens >= cap:
                         c.capped = True
                         return
@@ -439,7 +425,7 @@ class DocSource:
         units, ords = self._plan(epoch, resumed, p.unit)
         pieces = self._piece_rows(epoch, self._interleaved_blocks(epoch, units), units, ords)
         ready: dict[int, list] = {}  # pieces read, not yet open (the rest of one unit at most)
-        slots: dict[int, _PieceRows] = {}  # the open pieces' rows
+        slots: dict[int, PieceRows] = {}  # the open pieces' rows
         per_backend = c.backend_tokens
         while True:
             want = il.to_open()
@@ -448,7 +434,7 @@ class DocSource:
                     got = next(pieces, None)
                     assert got is not None, f"piece {want} of epoch {epoch} was never read"
                     ready[got[0]] = got[1]
-                rows = _PieceRows(ready.pop(want))
+                rows = PieceRows(ready.pop(want))
                 drawn = il.opened(want, rows.n)
                 if drawn is not None:  # rows to draw (a resumed piece: after those drawn)
                     slots[want] = rows.skip(drawn)
@@ -501,11 +487,11 @@ class DocSource:
                 for a, z in zip(cuts, cuts[1:], strict=False):
                     k = position[int(u[a])]
                     while at < k:
-                        yield from _by_piece(ords[at], parts, order, ends)
+                        yield from by_piece(ords[at], parts, order, ends)
                         at, parts = at + 1, []
                     parts.append((batch, a, z))
         while at < len(units):
-            yield from _by_piece(ords[at], parts, order, ends)
+            yield from by_piece(ords[at], parts, order, ends)
             at, parts = at + 1, []
 
     def _reject(self, doc_id: int, reason: str, report: bool = True) -> None:
@@ -559,63 +545,3 @@ class _Batch:
             return None
         offsets, values = self._loss
         return values[offsets[i] : offsets[i + 1]]
-
-
-class _PieceRows:
-    """An open piece's rows, [(batch, first, stop)], taken one at a time in order."""
-
-    __slots__ = ("segments", "n", "_seg", "_row")
-
-    def __init__(self, segments: list):
-        self.segments = segments
-        self.n = sum(z - a for _, a, z in segments)
-        self._seg, self._row = 0, segments[0][1] if segments else 0
-
-    def skip(self, k: int) -> _PieceRows:
-        for _ in range(k):
-            self.take()
-        return self
-
-    def take(self) -> tuple[_Batch, int]:
-        batch, _, stop = self.segments[self._seg]
-        i = self._row
-        self._row += 1
-        if self._row == stop and self._seg + 1 < len(self.segments):
-            self._seg += 1
-            self._row = self.segments[self._seg][1]
-        return batch, i
-
-
-def _by_piece(ords: list[int], parts: list, order: list[Piece], ends: list[int]):
-    """One unit's rows, [(batch, first, stop)] in read order, split into its pieces: (ordinal,
-    segments) for each of `ords` (the unit's pieces, in order; [] for an empty one).
-
-    A row's piece is the one of its file whose records [first_record, end) hold its record
-    (vectorized, one comparison per piece of the unit); a whole-piece error (WHOLE_FILE) goes
-    to the piece of the row before it if that is of its file, else to the next piece of its
-    file. Pieces are read in order, so the rows' pieces never go back."""
-    out: dict[int, list] = {o: [] for o in ords}
-    files = [order[o].file_index for o in ords]
-    k = 0  # the piece of the last row seen (its index in `ords`)
-    for batch, a, z in parts:
-        ids = batch.ids[a:z]
-        fi, rec = (ids >> 32).astype(np.int64), (ids & 0xFFFFFFFF).astype(np.int64)
-        which = np.full(z - a, -1, dtype=np.int64)
-        for j, o in enumerate(ords):
-            hit = (fi == files[j]) & (rec >= order[o].first_record) & (rec < ends[o])
-            which[hit] = j
-        for i in np.flatnonzero(rec == WHOLE_FILE).tolist():
-            before = int(which[i - 1]) if i else k
-            same = [j for j in range(before, len(ords)) if files[j] == fi[i]]
-            which[i] = same[0] if same else -1
-        if (which < 0).any() or which[0] < k or (np.diff(which) < 0).any():
-            bad = int(np.flatnonzero(which < 0)[0]) if (which < 0).any() else 0
-            raise ValueError(
-                f"record {int(rec[bad])} of file {int(fi[bad])} is out of its read unit's "
-                "pieces or order (did the file change while it was read?)"
-            )
-        cuts = [0, *(np.flatnonzero(which[1:] != which[:-1]) + 1).tolist(), z - a]
-        for s, e in zip(cuts, cuts[1:], strict=False):
-            out[ords[int(which[s])]].append((batch, a + s, a + e))
-        k = int(which[-1])
-    return [(o, out[o]) for o in ords]

@@ -51,8 +51,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.sources import WHOLE_FILE
+
 if TYPE_CHECKING:
     from pipeline.documents import Doc
+    from pipeline.sources import Piece
     from pipeline.stage import Stage
 
 FILE_ORDER, DOC_WINDOW, PIECE_ORDER, INTERLEAVE = 1, 2, 3, 4  # stream-of-randomness tags
@@ -195,6 +198,69 @@ class Interleave:
             del self.ords[s], self.done[s], self.left[s]
             self._ords = None
         return ordinal, row, last
+
+
+# -- an open piece's rows (what the DocSource reads into the interleave) ----------------------
+
+
+class PieceRows:
+    """An open piece's rows, [(batch, first, stop)], taken one at a time in order."""
+
+    __slots__ = ("segments", "n", "_seg", "_row")
+
+    def __init__(self, segments: list):
+        self.segments = segments
+        self.n = sum(z - a for _, a, z in segments)
+        self._seg, self._row = 0, segments[0][1] if segments else 0
+
+    def skip(self, k: int) -> PieceRows:
+        for _ in range(k):
+            self.take()
+        return self
+
+    def take(self) -> tuple[Any, int]:
+        batch, _, stop = self.segments[self._seg]
+        i = self._row
+        self._row += 1
+        if self._row == stop and self._seg + 1 < len(self.segments):
+            self._seg += 1
+            self._row = self.segments[self._seg][1]
+        return batch, i
+
+
+def by_piece(ords: list[int], parts: list, order: list[Piece], ends: list[int]):
+    """One unit's rows, [(batch, first, stop)] in read order, split into its pieces: (ordinal,
+    segments) for each of `ords` (the unit's pieces, in order; [] for an empty one).
+
+    A row's piece is the one of its file whose records [first_record, end) hold its record
+    (vectorized, one comparison per piece of the unit); a whole-piece error (WHOLE_FILE) goes
+    to the piece of the row before it if that is of its file, else to the next piece of its
+    file. Pieces are read in order, so the rows' pieces never go back."""
+    out: dict[int, list] = {o: [] for o in ords}
+    files = [order[o].file_index for o in ords]
+    k = 0  # the piece of the last row seen (its index in `ords`)
+    for batch, a, z in parts:
+        ids = batch.ids[a:z]
+        fi, rec = (ids >> 32).astype(np.int64), (ids & 0xFFFFFFFF).astype(np.int64)
+        which = np.full(z - a, -1, dtype=np.int64)
+        for j, o in enumerate(ords):
+            hit = (fi == files[j]) & (rec >= order[o].first_record) & (rec < ends[o])
+            which[hit] = j
+        for i in np.flatnonzero(rec == WHOLE_FILE).tolist():
+            before = int(which[i - 1]) if i else k
+            same = [j for j in range(before, len(ords)) if files[j] == fi[i]]
+            which[i] = same[0] if same else -1
+        if (which < 0).any() or which[0] < k or (np.diff(which) < 0).any():
+            bad = int(np.flatnonzero(which < 0)[0]) if (which < 0).any() else 0
+            raise ValueError(
+                f"record {int(rec[bad])} of file {int(fi[bad])} is out of its read unit's "
+                "pieces or order (did the file change while it was read?)"
+            )
+        cuts = [0, *(np.flatnonzero(which[1:] != which[:-1]) + 1).tolist(), z - a]
+        for s, e in zip(cuts, cuts[1:], strict=False):
+            out[ords[int(which[s])]].append((batch, a + s, a + e))
+        k = int(which[-1])
+    return [(o, out[o]) for o in ords]
 
 
 FIRST_WINDOW = 8
