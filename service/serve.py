@@ -42,8 +42,10 @@ EXIT_GRACE_S = 2.0
 
 
 def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = None,
-                 prefetch: int | None = None, allow_config_change: bool = False):  # fmt: skip
+                 prefetch: int | None = None, allow_config_change: bool = False,
+                 pool: bool = False):  # fmt: skip
     """Launch the named batch-server actor, owned by this process, and wait until it answers.
+    `pool`: tokenize on the cluster's warm pool (as an export joining a running cluster does).
 
     A service of that name whose `serve` process is gone (no heartbeat for STALE_BEAT_S, or
     an actor that no longer answers) is removed first; a live one is an error."""
@@ -60,7 +62,7 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
     placement = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
     actor = actor_class.options(name=name, namespace=NAMESPACE, **placement).remote(
         cfg.model_dump(mode="json", context=REVEAL_SECRETS), resume, prefetch, 10_000, cfg.service.rank_timeout_s,
-        allow_config_change,
+        allow_config_change, pool,
     )  # fmt: skip
     ray.get(actor.status.remote(), timeout=120)
     return actor
@@ -134,7 +136,9 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
         signal.signal(sig, lambda *_: stop.set())
     actor = None
     try:
-        actor = start_server(cfg, name, resume, allow_config_change=allow_config_change)
+        # A running cluster (joined, not started here) gets the warm pool, as an export does.
+        actor = start_server(cfg, name, resume, allow_config_change=allow_config_change,
+                             pool=not started)  # fmt: skip
         host = host or os.environ.get("TOKENMILL_HOST") or cfg.service.host
         port = port or int(os.environ.get("TOKENMILL_PORT", cfg.service.port))
         backend = Backend(actor)

@@ -86,8 +86,10 @@ class BatchServer:
         keep_states: int = 10_000,
         rank_timeout_s: float | None | _Default = _DEFAULT,
         allow_config_change: bool = False,
+        pool: bool = False,
     ):
         self.cfg = Config.model_validate(cfg_json)
+        self.pool = pool  # tokenize on the warm pool (a running cluster), else Ray Data
         self.prefetch = max(1, prefetch or prefetch_window(self.cfg))
         self.keep_states = keep_states
         self.rank_timeout_s = (
@@ -117,10 +119,21 @@ class BatchServer:
         self._install(self._make_feed(state, allow_config_change))
 
     def _make_feed(self, state: dict | None, allow_config_change: bool = False) -> Feed:
-        """A Feed at `state`; a state that does not fit raises here, before anything changes."""
+        """A Feed at `state`; a state that does not fit raises here, before anything changes.
+
+        Reads as an export does: this process tokenizes the first units itself (the head
+        start) until the workers deliver: the warm pool on a running cluster (`pool`: its
+        actors outlive a service, so the next one finds them warm), else Ray Data tasks. The
+        blocks are the same whoever tokenizes them, so the sequence is too."""
+        from pipeline.pool import pool_executor
+        from pipeline.reading import iter_blocks_ray, with_head_start
+
+        executor = pool_executor(None) if self.pool else iter_blocks_ray
         try:
             feed = Feed(
                 self.cfg,
+                executor,
+                with_head_start(executor),
                 state=state,
                 allow_config_change=allow_config_change,
                 on_reject=self.telemetry.add_reject,

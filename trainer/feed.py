@@ -204,7 +204,7 @@ class Feed:
                     raise FeedError(
                         f"no tokenmill service named {service!r} within {timeout_s}s"
                     ) from None
-                time.sleep(0.5)
+                time.sleep(0.1)  # the service may be starting: a rank waits for it
         feed = cls(server, rank, world_size, 0, timeout_s)
         client = {"job_id": ray.get_runtime_context().get_job_id()}
         welcome = feed._call("hello", rank, world_size, state, client, group=CONSUMER_GROUP)
