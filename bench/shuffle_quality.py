@@ -17,6 +17,8 @@ epoch cut into 20 windows of 5% of its tokens:
   which sees the numpy buffers that the blocks' tokens live in, and every Python object): the
   blocks the stream holds, open pieces included (the resident size hides it: the tokenizer's
   load leaves freed memory that the read reuses);
+- `resume_s`: a Feed's time from a state at step 600 (~40% of the default corpus) to its
+  next step (the open pieces, the window and the packer's pool re-read); `state_bytes`;
 - `peak_rss_mb`: the process's peak resident memory over the first steps and the epoch,
   and `base_rss_mb` with the tokenizer loaded, before reading.
 
@@ -47,6 +49,7 @@ _WORDS = (
     "them only some could new these two may first then do any like my now over such our man"
 )
 WORDS = _WORDS.split()
+RESUME_AT = 600  # steps of 16 x 1024 tokens: ~40% of the 97 MB corpus's epoch
 SHUFFLES = {
     "old": {"pieces": 0},
     "new": {},
@@ -133,6 +136,17 @@ def child(corpus: Path, name: str, per_source: int, sources: int, seed: int) -> 
             times.append(time.monotonic() - t0)
             feed.close()
         out["first_step_s"] = round(sorted(times)[1], 2)
+        feed = Feed(cfg, executor=iter_blocks_local)
+        for _ in range(RESUME_AT):
+            feed.next_step()
+        state = feed.get_state()
+        feed.close()
+        t0 = time.monotonic()
+        resumed = Feed(cfg, executor=iter_blocks_local, state=state)
+        resumed.next_step()
+        out["resume_s"] = round(time.monotonic() - t0, 2)
+        out["state_bytes"] = len(json.dumps(state))
+        resumed.close()
     labels, tokens = np.array(records) // per_source, np.array(lengths)
     if name == "global":
         order = np.random.default_rng(seed).permutation(len(labels))
@@ -176,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:>6}: first 5% top {r['first_top']:.3f}  worst 5% top {r['max_top']:.3f}"
                 f"  mean TV {r['mean_tv']:.3f}  first step {r.get('first_step_s', '-')} s"
                 f"  epoch {r['epoch_s']} s, peak {r['epoch_peak_mb']} MB"
+                f"  resume {r.get('resume_s', '-')} s (state {r.get('state_bytes', '-')} B)"
                 f"  peak RSS {r.get('peak_rss_mb', '-')} MB (base {r.get('base_rss_mb', '-')})"
             )
     if args.json:
