@@ -203,7 +203,7 @@ class DocSource:
                 "pieces were interleaved); the run continues in that order",
                 self.name,
             )
-            self.interleaved = False
+            self.interleaved, self._pieces = False, None  # pieces of the read's size
         elif not self.interleaved and OPEN in state:
             how = "files in order" if not self.cfg.shuffle.files else "shuffle.pieces: 0"
             raise ValueError(
