@@ -2,6 +2,9 @@
 # The ms-swift venv (.venv-swift): ms-swift 4.6 installs transformers 5.x and pins trl<1.0,
 # which the main venv's trl>=1.16 refuses, so it lives apart. tokenmill goes in with --no-deps
 # plus what trainer/feed.py needs (ray, pyarrow, numpy), pinned as CI pins the main venv.
+# torchtitan 0.3.0 (trainer/titan.py) joins it --no-deps: its metadata pins datasets<4.8 (for
+# its own HF loaders, which import with 4.8.4), and a third venv would cost CI another torch;
+# its models, flex attention, loaders and Trainer import with the five small packages below.
 # Idempotent: a stamp of the pins skips a venv that is already up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,5 +18,7 @@ echo '*' > "$VENV/.gitignore"   # never committed (python3.13's venv writes this
 "$VENV/bin/pip" install -q --upgrade pip wheel
 "$VENV/bin/pip" install -q -c .ci/constraints-swift.txt torch torchvision
 "$VENV/bin/pip" install -q -c .ci/constraints-swift.txt ms-swift ray pyarrow numpy
+"$VENV/bin/pip" install -q --no-deps -c .ci/constraints-swift.txt torchtitan torchdata tyro \
+    docstring-parser typeguard spmd_types
 "$VENV/bin/pip" install -q --no-deps -e .
 echo "$want" > "$stamp"
