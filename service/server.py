@@ -156,7 +156,8 @@ class BatchServer:
         self.producer = Producer(
             feed, self.window, self._cond, self.keep_states, on_step=self._on_step,
             on_change=self._lingering.notify_all,
-        ).start()  # fmt: skip
+        )  # fmt: skip
+        self.producer.start()  # after the assignment: its first step's callbacks read it
 
     def _on_step(self) -> None:  # under the lock, after each produced step
         self._sample(force=False)
