@@ -72,15 +72,19 @@ def start_head(temp: str) -> tuple[subprocess.Popen, str]:
 
 def serve_run(config: Path, gcs: str, ranks: int, run: int, workdir: Path) -> dict:
     name, port = f"fb{os.getpid()}x{run}", free_port()
-    log = open(workdir / f"serve-{run}.log", "w")
-    t0 = time.time()
-    serve = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve", "--config", str(config), "--address", gcs,
-         "--port", str(port), "--name", name], stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    with open(workdir / f"serve-{run}.log", "w") as log:
+        t0 = time.time()
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "service", "serve", "--config", str(config), "--address", gcs,
+             "--port", str(port), "--name", name], stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     procs = [
-        subprocess.Popen([sys.executable, "-c", RANK, name, str(r), str(ranks), gcs],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, name, str(r), str(ranks), gcs],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         for r in range(ranks)
     ]
     firsts, imports = [], []
@@ -98,7 +102,6 @@ def serve_run(config: Path, gcs: str, ranks: int, run: int, workdir: Path) -> di
             serve.wait(timeout=30)
         except subprocess.TimeoutExpired:
             serve.kill()
-        log.close()
     return {"every_rank_s": max(firsts), "first_rank_s": min(firsts),
             "rank_python_started_s": max(imports)}  # fmt: skip
 
@@ -146,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                   "serve_every_rank_first_batch_s": every, "export_first_step_s": export,
                   "ratio_serve_to_export": every / export, "runs_detail": serves,
                   "exports": exports}  # fmt: skip
-        print(f"median: every rank's first batch {every:.2f} s after `serve` was launched; "
-              f"a warm export's first step {export:.2f} s (ratio {every / export:.2f})")
+        print(
+            f"median: every rank's first batch {every:.2f} s after `serve` was launched; "
+            f"a warm export's first step {export:.2f} s (ratio {every / export:.2f})"
+        )
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
     finally:
