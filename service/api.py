@@ -331,6 +331,8 @@ def create_app(backend: Backend) -> FastAPI:
             segs = backend.call("provenance", step, world_size, text, timeout_s=120.0)
         except Exception as e:
             e = _unwrap(e)
+            if type(e).__name__ == "ServiceBusy":
+                raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
             if isinstance(e, LookupError):
                 raise HTTPException(404, str(e)) from None
             if isinstance(e, ValueError):

@@ -54,6 +54,9 @@ class StreamLosses:
             ranks, sums = self._steps.setdefault(step, (set(), {}))
             if rank in ranks:
                 return  # a retry, or a rank that re-ran a step after a rewind: counted once
+            for name, (total, _) in clean.items():
+                if not math.isfinite(sums.get(name, [0.0, 0.0])[0] + total):
+                    raise ValueError(f"stream {name!r}: step {step}'s loss sum overflows")
             ranks.add(rank)
             for name, (total, tokens) in clean.items():
                 acc = sums.setdefault(name, [0.0, 0.0])

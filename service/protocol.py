@@ -115,5 +115,9 @@ class StepGone(LookupError):
     """The requested step is no longer held by the server."""
 
 
+class ServiceBusy(RuntimeError):
+    """The service is doing this kind of work already (one provenance replay at a time)."""
+
+
 class WorldMismatch(ValueError):
     """A rank asked with a world size other than the one the service serves."""

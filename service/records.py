@@ -61,11 +61,23 @@ def recorded_address(name: str) -> str | None:
 
 
 def local_pid(rec: dict) -> int | None:
-    """The pid of a record's serve process if it runs on this machine and is alive."""
+    """The pid of a record's serve process if it runs on this machine and is alive: the
+    same process, not a later one that reused its pid (its start time, where recorded)."""
     pid = rec.get("pid")
-    if rec.get("host") == socket.gethostname() and isinstance(pid, int) and alive(pid):
-        return pid
-    return None
+    if rec.get("host") != socket.gethostname() or not isinstance(pid, int) or not alive(pid):
+        return None
+    started = rec.get("started")
+    if started is not None and started != start_time(pid):
+        return None
+    return pid
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc), or None."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def claim(name: str) -> Path:
@@ -73,7 +85,8 @@ def claim(name: str) -> Path:
     serve process holds it. `publish` then fills in the address."""
     path = service_file(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    mine = {"name": name, "pid": os.getpid(), "host": socket.gethostname()}
+    mine = {"name": name, "pid": os.getpid(), "host": socket.gethostname(),
+            "started": start_time(os.getpid())}  # fmt: skip
     for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -33,7 +33,16 @@ from pathlib import Path
 
 from pipeline.config import REVEAL_SECRETS, Config
 from service.protocol import CONCURRENCY_GROUPS, FAILED, NAMESPACE, SERVICE_NAME, STOPPING
-from service.records import ServiceExists, alive, claim, local_pid, publish, read_record, release
+from service.records import (
+    ServiceExists,
+    alive,
+    claim,
+    local_pid,
+    publish,
+    read_record,
+    release,
+    start_time,
+)
 from service.records import service_file as service_file
 from service.server import BatchServer
 
@@ -118,7 +127,7 @@ class RejectsFile:
 
 def run_serve(cfg: Config, resume: dict | None = None, address: str | None = None,
               host: str | None = None, port: int | None = None, name: str = SERVICE_NAME,
-              linger_s: float = 30.0, allow_config_change: bool = False) -> int:  # fmt: skip
+              linger_s: float = 5.0, allow_config_change: bool = False) -> int:  # fmt: skip
     import ray
     import uvicorn
 
@@ -150,7 +159,7 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
         url = f"http://{host}:{port}"
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "api": url}
         gcs = ray.get_runtime_context().gcs_address
-        publish(record, owner | {"name": name, "address": gcs})
+        publish(record, owner | {"name": name, "address": gcs, "started": start_time(os.getpid())})
         rejects = RejectsFile(cfg.service.rejects)
         print(f"tokenmill: serving {name!r} (namespace {NAMESPACE}), API on {url}, Ray at {gcs}"
               + ("" if api_token() else " (mutations disabled: no TOKENMILL_API_TOKEN)"), flush=True)  # fmt: skip
@@ -170,18 +179,33 @@ def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,
            linger_s: float, embedded: bool = False) -> int:  # fmt: skip
     """The serve loop: beat, write rejects, log every 10 s, and decide when to exit.
 
-    `linger_s`: after every rank was told the end, how long an embedded Ray waits for rank
-    processes that have not left it, at least (their Ray client dies with it); while any
-    rank's process is still connected it waits on, logging why, until `tokenmill stop`."""
-    drained_at, last_print, last_why = None, 0.0, ""
+    At the end of the data, once every rank was told the end: it waits `linger_s` more (a
+    rank may still ask for its final state or report its last loss), and on an embedded Ray
+    until the ranks' processes have left it (their Ray client dies with it), logging why,
+    until `tokenmill stop`. A call into the actor that times out (a busy control group) is
+    retried; only an actor that is gone ends the loop."""
+    import ray
+
+    drained_at, last_print, last_why, slow_since = None, 0.0, "", None
+    own_job = ray.get_runtime_context().get_job_id()
     while not stop.is_set():
-        backend.call("heartbeat", owner)
-        rejects.append(backend.call("drain_rejects"))
-        st = backend.call("status")
+        try:
+            backend.call("heartbeat", owner)
+            rejects.append(backend.call("drain_rejects"))
+            st = backend.call("status")
+            m = backend.call("metrics") if time.time() - last_print >= 10 else None
+        except ray.exceptions.GetTimeoutError:
+            slow_since = slow_since or time.time()
+            if time.time() - slow_since > 60:
+                print("tokenmill: the batch server has not answered for 60 s", file=sys.stderr)
+                slow_since = time.time()
+            stop.wait(1.0)
+            continue
+        slow_since = None
         now = time.time()
-        if now - last_print >= 10:
+        if m is not None:
             last_print = now
-            print(_progress_line(st, backend.call("metrics")), flush=True)
+            print(_progress_line(st, m), flush=True)
         if st["state"] == STOPPING:
             print("tokenmill: stopped by request", flush=True)
             return 0
@@ -190,14 +214,14 @@ def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,
             return 1
         if st.get("drained"):
             drained_at = drained_at or now
-            left = _rank_jobs_alive(backend) if embedded else []
-            if not left:
+            left = _rank_jobs_alive(backend, own_job) if embedded else []
+            if not left and now - drained_at >= linger_s:
                 print("tokenmill: the data ended and every rank has taken its last step",
                       flush=True)  # fmt: skip
                 return 0
             why = (f"tokenmill: the data ended; waiting for {len(left)} rank process(es) to "
                    "leave this Ray before it stops (`tokenmill stop` ends it now)")  # fmt: skip
-            if why != last_why and now - drained_at >= min(linger_s, 5.0):
+            if left and why != last_why and now - drained_at >= 5.0:
                 print(why, flush=True)
                 last_why = why
         stop.wait(1.0)
@@ -222,17 +246,19 @@ def _progress_line(st: dict, m: dict) -> str:
     )
 
 
-def _rank_jobs_alive(backend) -> list[str]:
-    """The Ray jobs of ranks that are still connected to this (embedded) cluster."""
+def _rank_jobs_alive(backend, own_job: str) -> list[str]:
+    """The Ray jobs of ranks still connected to this (embedded) cluster; not this process's
+    own (ranks that are threads of `serve` leave with it). A job table that cannot be read
+    counts as "not known to have left": the wait goes on."""
     from ray._private import state
 
-    jobs = set(backend.call("rank_jobs"))
+    jobs = set(backend.call("rank_jobs")) - {own_job}
     if not jobs:
         return []
     try:
         table = state.jobs()
-    except Exception:  # the GCS is going away with us: nothing to wait for
-        return []
+    except Exception:
+        return sorted(jobs)
     return [j["JobID"] for j in table if j["JobID"] in jobs and not j["IsDead"]]
 
 

@@ -50,6 +50,7 @@ from service.protocol import (
     STARTING,
     STOPPING,
     WINDOW_BYTES,
+    ServiceBusy,
     StepGone,
     StepReply,
     Welcome,
@@ -65,6 +66,9 @@ class _Default(enum.Enum):
 
 
 _DEFAULT = _Default.TOKEN
+# Past this many ranks, the lag history keeps min / median / max, not every rank's lag (an hour
+# of one-second samples of 1,024 ranks held ~220 MB and took 0.4 s to serve under the lock).
+OBSERVED_RANKS = 64
 
 
 def prefetch_window(cfg: Config) -> int:
@@ -111,6 +115,7 @@ class BatchServer:
         self._hungry: dict[int, bool] = {}  # rank -> its last answer waited for the producer
         self._rank_jobs: dict[int, str] = {}  # rank -> its Ray job id (hello's `client`)
         self._observed: tuple[float, str] = (0.0, "")  # when and what `_observe` last kept
+        self._replaying = threading.Lock()  # one provenance replay at a time (`provenance`)
         self._start_feed(state, allow_config_change)
 
     # -- production -------------------------------------------------------------------------
@@ -176,7 +181,10 @@ class BatchServer:
         if state == self._observed[1] and now - self._observed[0] < 1.0:
             return
         self._observed = (now, state)
-        lags = {r: v["lag"] for r, v in self.window.rank_view().items()}
+        lags: dict = {r: v["lag"] for r, v in self.window.rank_view().items()}
+        if len(lags) > OBSERVED_RANKS:  # an hour of a large world's lags: kept as a summary
+            ordered = sorted(lags.values())
+            lags = {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1]}
         self.telemetry.observe(state, lags)
 
     def _sample(self, force: bool) -> None:
@@ -206,13 +214,14 @@ class BatchServer:
         if state is not None:
             self.seek(state)
         with self._cond:
-            job = (client or {}).get("job_id")
-            if isinstance(job, str) and len(job) <= 64:
-                self._rank_jobs[rank] = job
             self.window.declare(rank, world_size, resuming=state is not None)
+            job = (client or {}).get("job_id")
+            if isinstance(job, str) and len(job) <= 64:  # recorded once the rank is admitted
+                self._rank_jobs[rank] = job
             r = self.window.ranks[rank]
             if state is not None:  # it may have pulled past its checkpoint before it stopped
                 r.next = min(r.next, int(state["step"]))
+                r.consumed = None if r.consumed is None else min(r.consumed, r.next)
                 first = int(state["step"])
             else:
                 first = r.next
@@ -279,8 +288,8 @@ class BatchServer:
                         self._linger_for[rank] = step + want
                         try:
                             self._lingering.wait(timeout=left)
-                        finally:
-                            del self._linger_for[rank]
+                        finally:  # two calls of one rank may linger at once: one entry
+                            self._linger_for.pop(rank, None)
                         continue
                 batch = self.window.take(rank, world_size, step)
                 if batch is not None:
@@ -342,6 +351,8 @@ class BatchServer:
         self.losses.add(rank, world_size, int(step), losses)
 
     def report_wait(self, rank: int, seconds: float) -> None:
+        if not (isinstance(seconds, int | float) and 0 <= seconds < 1e9):
+            raise ValueError(f"data wait must be finite seconds >= 0, got {seconds!r}")
         with self._cond:
             if rank not in self.window.ranks:  # rank-keyed telemetry stays within the world
                 return
@@ -368,14 +379,21 @@ class BatchServer:
             states = self.producer.states
             base = max((s for s in states if s <= step), default=None)
             state = None if base is None else states[base]
+            held = f"{next(iter(states))}..{max(states)}" if states else "none"
             produced = self.window.produced
         if step >= produced:
             raise StepGone(f"step {step} has not been produced yet (produced: {produced})")
         if batch is None:
             if state is None:
-                held = f"{min(states)}..{max(states)}" if states else "none"
                 raise StepGone(f"no state at or before step {step} is kept (states: {held})")
-            batch = state_step(self.cfg, state, step)
+            # A replay reads and tokenizes in this process, on a thread of `control`: one at
+            # a time, so that the API, the `serve` loop and the ranks' states keep theirs.
+            if not self._replaying.acquire(blocking=False):
+                raise ServiceBusy("another step's provenance is being recomputed; try again")
+            try:
+                batch = state_step(self.cfg, state, step)
+            finally:
+                self._replaying.release()
         if world < 1 or self.cfg.global_batch_size % world:
             raise ValueError(f"world size {world} does not divide {self.cfg.global_batch_size}")
         files = stream_files(self.cfg)

@@ -102,7 +102,9 @@ class StepWindow:
             return self.start
         live = [r.next for k, r in self.ranks.items() if not self.lost(k)]
         if live:
-            return min(live)
+            # A rank back from being lost may stand before the first step still held: those
+            # steps are gone for it (StepGone), so it must not hold the producer back.
+            return max(min(live), min(self.steps, default=self.produced))
         return max(r.next for r in self.ranks.values())
 
     def room(self) -> bool:

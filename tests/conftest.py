@@ -50,6 +50,9 @@ def ray_cluster():
 
     started = connect(object_store_memory=256 << 20, num_cpus=2)
     yield ray
+    from trainer.feed import stop_beats
+
+    stop_beats()  # no rank's beat thread calls into a Ray that is shutting down
     if started:
         ray.shutdown()
 

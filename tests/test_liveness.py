@@ -151,6 +151,14 @@ def test_end_of_data_reaches_each_rank_after_its_last_step(served, tmp_path):
     assert ray.get(actor.drained.remote())
     m = ray.get(actor.metrics.remote())
     assert all(v["ended"] and v["consumed_step"] == total for v in m["ranks"].values())
+    with pytest.raises(ray.exceptions.RayTaskError, match="finite"):
+        ray.get(actor.report_wait.remote(0, float("nan")))  # /v1/metrics stays JSON
+    # The end stays: after the service is gone a rank iterating again (HF's next epoch) stops
+    # at once, and its final checkpoint still gets the state after the last step.
+    ray.kill(actor)
+    for f in feeds:
+        assert next(f, None) is None
+        assert f.state_dict()["step"] == total
 
 
 RANK = r"""
@@ -217,6 +225,14 @@ def test_a_second_serve_of_the_same_name_is_refused(tmp_path, monkeypatch):
             claim("twice")
     finally:
         release(mine)
+    # A record whose pid now belongs to another process (pid reuse, a restarted container) is
+    # stale: its start time differs.
+    from service.records import read_record, service_file
+
+    service_file("reused").write_text(json.dumps(
+        {"name": "reused", "pid": os.getpid(), "host": __import__("socket").gethostname(),
+         "started": 1, "address": "127.0.0.1:1"}))  # fmt: skip
+    assert read_record("reused") is None and not service_file("reused").exists()
     env = os.environ | {"TOKENMILL_CACHE": str(tmp_path / "cache")}
     out = subprocess.run([sys.executable, "-m", "service", "stop", "--name", "missing"],
                          env=env | {"RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=60)  # fmt: skip

@@ -157,3 +157,38 @@ def test_steps_taken_by_every_rank_are_released():
     assert 0 not in w.steps
     with pytest.raises(StepGone, match="every rank of the world has taken it"):
         w.take(0, 2, 0)
+
+
+def test_a_lost_rank_back_behind_the_released_steps_holds_nothing_back():
+    """Rank 1 was lost, its steps released; its beats make it live again, but what it stood
+    before is gone for it (StepGone), so the producer still has room for rank 0."""
+    w, clock = make(prefetch=2, timeout=10)
+    w.declare(0, 2)
+    fill(w)
+    clock.t += 11  # rank 1 silent: lost
+    for s in range(6):
+        w.take(0, 2, s)
+        fill(w)
+    floor = w.floor()
+    assert floor == 6  # rank 0's next step
+    assert w.beat(1, 2, 0)  # it beats again (a lingering process)
+    assert not w.lost(1) and w.floor() == floor  # it holds nothing back
+    with pytest.raises(StepGone):
+        w.take(1, 2, 0)
+
+
+def test_beats_keep_a_rank_that_does_not_fetch_alive_and_report_where_it_trains():
+    w, clock = make(prefetch=3, timeout=10)
+    w.declare(0, 1)
+    fill(w)
+    for s in range(3):
+        w.take(0, 1, s)
+    for consumed in range(3):  # training on its 3 fetched steps, 8 s each
+        clock.t += 8
+        assert w.beat(0, 1, consumed)
+        assert not w.lost(0)
+    view = w.rank_view()[0]
+    assert view["consumed_step"] == 2 and view["fetched_step"] == 3 and view["buffered"] == 1
+    assert not w.beat(0, 2, 0) and not w.beat(5, 1, 0)  # another world, another rank: ignored
+    clock.t += 11
+    assert w.lost(0)  # no sign of life

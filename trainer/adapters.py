@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from service.protocol import CONSUMER_GROUP, SERVICE_NAME
+from service.protocol import SERVICE_NAME
 from trainer.feed import Feed
 
 HF_KEYS = ("input_ids", "labels", "position_ids")
@@ -152,8 +152,7 @@ class FeedDataset(IterableDataset):
             self._state = state
             return
         # Re-join as the same rank with the state: the service seeks, the client restarts there.
-        welcome = self.feed._call("hello", self.rank, self.world_size, state, group=CONSUMER_GROUP)
-        self.feed.step, self.feed._ahead = welcome.step, iter(())
+        self.feed.rejoin(state)
 
     def close(self) -> None:
         if self.feed is not None:

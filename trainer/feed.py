@@ -31,10 +31,12 @@ once, a few steps per pass (`to_torch_steps`).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import numpy as np
@@ -53,6 +55,21 @@ from service.protocol import (
 )
 
 _CONNECT_LOCK = threading.Lock()
+_FEEDS: weakref.WeakSet = weakref.WeakSet()  # open feeds, whose beat threads stop at exit
+
+
+def stop_beats(timeout_s: float = 1.0) -> None:
+    """Stop every feed's beat thread and wait for it (briefly): before Ray shuts down, so no
+    thread calls into a Ray that is going away (at interpreter exit this runs before Ray's
+    own shutdown: atexit hooks run last-registered first)."""
+    for feed in list(_FEEDS):
+        feed._beating.set()
+    for feed in list(_FEEDS):
+        if feed._beater is not None:
+            feed._beater.join(timeout_s)
+
+
+atexit.register(stop_beats)
 
 
 class FeedError(RuntimeError):
@@ -152,30 +169,40 @@ class Feed:
         self.calls = 0  # `get` calls made (a rank's cost is mostly per call, not per step)
         self._beating = threading.Event()  # set: the beat thread stops
         self._beater: threading.Thread | None = None
+        self._beat_s = 5.0
+        # Told the end: later `next` calls stop here, without asking a service that may have
+        # gone (HF's Trainer iterates again after the end); the state after the last step is
+        # kept for a final checkpoint.
+        self._ended = False
+        self._final_state: dict | None = None
 
     def _start_beats(self, every_s: float) -> None:
         """Beat from a daemon thread every `every_s` with the step this rank has consumed.
 
         The thread reads `self.step` (an int the training thread rebinds; a stale read only
         reports one step less) and owns nothing else. It ends on `close`, at the end of the
-        data, or when the service is gone; a beat is fire-and-forget, so a slow service
-        never holds the thread up, and a training step never waits on a beat."""
-        import ray
-
+        data, or when Ray is gone; a beat is fire-and-forget, so a slow service never holds
+        the thread up, and a training step never waits on a beat. A beat the service does not
+        take (a world being re-declared by a resume) is no reason to stop: the next one is."""
+        self._beat_s = every_s
+        if self._beater is not None and self._beater.is_alive():
+            return
+        self._beating = stop = threading.Event()
         server, rank, world = self.server, self.rank, self.world_size
         beat = server.beat.options(concurrency_group=BEAT_GROUP)
 
+        import ray
+
         def run() -> None:
-            pending = None
-            while not self._beating.wait(every_s):
-                try:
-                    if pending is not None:  # the last beat's answer: another world, or gone
-                        done, _ = ray.wait([pending], timeout=0)
-                        if done and ray.get(done[0]) is False:
-                            return
-                    pending = beat.remote(rank, world, self.step)
-                except Exception:  # the service or Ray is gone: calls will say so
+            while not stop.wait(every_s):
+                if not ray.is_initialized():  # shut down under us: nothing to beat to
                     return
+                try:
+                    beat.remote(rank, world, self.step)
+                except Exception:  # Ray is gone: the rank's own calls will say so
+                    return
+
+        _FEEDS.add(self)
 
         self._beater = threading.Thread(target=run, name=f"tokenmill-beat-{rank}", daemon=True)
         self._beater.start()
@@ -232,9 +259,19 @@ class Feed:
     def __iter__(self):
         return self
 
+    def rejoin(self, state: dict) -> None:
+        """Continue from `state` as the same rank (the service seeks there if it must); the
+        next step is the one that followed it. Beats go on, or start again after an end."""
+        welcome = self._call("hello", self.rank, self.world_size, state, group=CONSUMER_GROUP)
+        self.step, self._ahead = welcome.step, iter(())
+        self._ended, self._final_state = False, None
+        self._start_beats(welcome.beat_s)
+
     def __next__(self) -> dict:
         from pipeline.arrays import from_ipc
 
+        if self._ended:
+            raise StopIteration
         step = next(self._ahead, None)
         if step is None:
             runs = self._fetch()
@@ -256,7 +293,14 @@ class Feed:
             if reply.ready:
                 break
             if reply.status == "end":
-                self._beating.set()  # told the end: nothing holds this rank any more
+                # Told the end: keep the final state (its checkpoint may come after `serve`
+                # has gone), then nothing holds this rank any more.
+                try:
+                    self._final_state = self._call("state", self.step)
+                except FeedError:
+                    self._final_state = None
+                self._ended = True
+                self._beating.set()
                 raise StopIteration
             if reply.status == "stopped":
                 raise FeedError(
@@ -290,7 +334,10 @@ class Feed:
         fn.remote(self.rank, float(seconds))  # fire and forget
 
     def state_dict(self) -> dict:
-        """The feed state after the last step this rank consumed (same on every rank)."""
+        """The feed state after the last step this rank consumed (same on every rank); after
+        the end, the state after the last step, kept when the end came."""
+        if self._ended and self._final_state is not None:
+            return self._final_state
         return self._call("state", self.step)
 
     def close(self) -> None:
