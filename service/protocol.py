@@ -74,6 +74,9 @@ class Welcome:
     step: int
     world_size: int
     beat_s: float = BEAT_S
+    # Which sequence the rank joined: a resume that restarts the feed makes a new one, and a
+    # rank of an older one is refused by `get` (it would wait for steps that never come).
+    generation: int = 0
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,9 @@ class BatchServer:
             raise StateError(f"resume state refused: {type(e).__name__}: {e}") from None
 
     def _install(self, feed: Feed) -> None:
+        # A new sequence (the first, or a resume's seek): ranks that connected to an earlier
+        # one are told so when they ask (`get`), instead of waiting for steps that never come.
+        self.generation = getattr(self, "generation", -1) + 1
         self.feed = feed
         self.window = StepWindow(feed.step, self.prefetch, self.rank_timeout_s)
         self.producer = Producer(
@@ -227,7 +230,7 @@ class BatchServer:
                 first = r.next
             self._cond.notify_all()
             assert self.window.world is not None  # declare() above set it
-            return Welcome(first, self.window.world, self.beat_s)
+            return Welcome(first, self.window.world, self.beat_s, self.generation)
 
     @property
     def beat_s(self) -> float:
@@ -254,7 +257,13 @@ class BatchServer:
             return self.producer.ended and self.window.drained()
 
     def get(
-        self, rank: int, world_size: int, step: int, wait_s: float = POLL_S, count: int = 1
+        self,
+        rank: int,
+        world_size: int,
+        step: int,
+        wait_s: float = POLL_S,
+        count: int = 1,
+        generation: int | None = None,
     ) -> StepReply:
         """Rank `rank`'s rows of global steps `step`, `step + 1`, ... (up to `count`, and up to
         REPLY_BYTES of token ids), waiting at most `wait_s` for the first; joined into runs of
@@ -273,6 +282,12 @@ class BatchServer:
         ~7 steps per call and ~14 ms; with LOOKAHEAD 32 and one decode per run, ~26 steps per
         call and ~10 ms (bench/serve_ranks.py)."""
         self._check_world(world_size)
+        if generation is not None and generation != self.generation:
+            raise StepGone(
+                f"this service was restarted at step {self.window.start} by a rank resuming from "
+                "a state after this rank connected; resume every rank from a saved state "
+                "(Feed.connect(state=...)) so that all follow the same sequence"
+            )
         G, L = self.cfg.global_batch_size, self.cfg.seq_len
         slice_bytes = -(-G // max(1, world_size)) * L * 4  # its rows of int32 token ids
         want = max(1, min(count, self.prefetch, REPLY_BYTES // slice_bytes))

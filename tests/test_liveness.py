@@ -238,3 +238,22 @@ def test_a_second_serve_of_the_same_name_is_refused(tmp_path, monkeypatch):
                          env=env | {"RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 1
     assert "no tokenmill service named 'missing' is recorded" in out.stderr, out.stderr
+
+
+def test_a_rank_resuming_alone_cannot_leave_the_running_ranks_waiting(served, tmp_path):
+    """A resume from a state no longer held restarts the feed there. A rank of the older
+    sequence is then told so when it next asks (a clear FeedError naming the resume), instead
+    of waiting forever for steps that will never be made."""
+    from trainer.feed import FeedError
+
+    name = f"gen{os.getpid()}"
+    actor = served(make_cfg(tmp_path, docs=60), name)
+    running = Feed.connect(service=name, rank=0, world_size=1)
+    first = [next(running)["input_ids"].clone() for _ in range(3)]
+    state = ray.get(actor.state.remote(0))  # step 0 was taken and released: a real seek
+    resumed = Feed.connect(service=name, rank=0, world_size=1, state=state)
+    with pytest.raises(FeedError, match="restarted at step 0 by a rank resuming"):
+        for _ in range(200):  # its buffered steps first, then its next call is refused
+            next(running)
+    again = [next(resumed)["input_ids"] for _ in range(3)]
+    assert all((a == b).all() for a, b in zip(again, first, strict=True))

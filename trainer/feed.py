@@ -167,6 +167,7 @@ class Feed:
         self.lookahead = self.LOOKAHEAD
         self._ahead: Iterator[dict] = iter(())  # fetched, not yet consumed: self.step, ...
         self.calls = 0  # `get` calls made (a rank's cost is mostly per call, not per step)
+        self.generation: int | None = None  # the sequence joined (protocol.Welcome)
         self._beating = threading.Event()  # set: the beat thread stops
         self._beater: threading.Thread | None = None
         self._beat_s = 5.0
@@ -235,7 +236,7 @@ class Feed:
         feed = cls(server, rank, world_size, 0, timeout_s)
         client = {"job_id": ray.get_runtime_context().get_job_id()}
         welcome = feed._call("hello", rank, world_size, state, client, group=CONSUMER_GROUP)
-        feed.step = welcome.step
+        feed.step, feed.generation = welcome.step, welcome.generation
         feed._start_beats(welcome.beat_s)
         return feed
 
@@ -264,6 +265,7 @@ class Feed:
         next step is the one that followed it. Beats go on, or start again after an end."""
         welcome = self._call("hello", self.rank, self.world_size, state, group=CONSUMER_GROUP)
         self.step, self._ahead = welcome.step, iter(())
+        self.generation = welcome.generation
         self._ended, self._final_state = False, None
         self._start_beats(welcome.beat_s)
 
@@ -288,7 +290,7 @@ class Feed:
         while True:
             self.calls += 1
             reply = self._call("get", self.rank, self.world_size, self.step, POLL_S,
-                               self.lookahead, group=CONSUMER_GROUP,
+                               self.lookahead, self.generation, group=CONSUMER_GROUP,
                                timeout_s=self.timeout_s + POLL_S)  # fmt: skip
             if reply.ready:
                 break
