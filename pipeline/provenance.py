@@ -21,7 +21,7 @@ Where the step comes from, cheapest first:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -120,25 +120,35 @@ def export_step(out: Path, step: int) -> tuple[pa.RecordBatch, int]:
     return joined, len(files)
 
 
-def state_step(cfg: Config, state: dict, step: int) -> pa.RecordBatch:
-    """Global step `step` recomputed from `state` (at or before it), in this process."""
+def state_steps(
+    cfg: Config, state: dict, steps: Iterable[int]
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Global steps `steps` (ascending) recomputed from `state` (at or before the first), in
+    this process: the feed is rebuilt once and run forward once, past every step asked for."""
     from pipeline.feed import Feed
     from pipeline.reading import iter_blocks_local
 
+    wanted = sorted(set(steps))
     at = int(state["step"])
-    if step < at:
-        raise ValueError(f"the state is at step {at}: it cannot give the earlier step {step}")
+    if wanted and wanted[0] < at:
+        raise ValueError(f"the state is at step {at}: it cannot give the earlier step {wanted[0]}")
+    if not wanted:
+        return
     feed = Feed(cfg, executor=iter_blocks_local, state=state)
     try:
-        for _ in range(step - at):
-            if feed.next_step() is None:
+        for step in range(at, wanted[-1] + 1):
+            batch = feed.next_step()
+            if batch is None:
                 raise ValueError(f"the data ends before step {step}")
-        batch = feed.next_step()
-        if batch is None:
-            raise ValueError(f"the data ends before step {step}")
-        return batch
+            if step in wanted:
+                yield step, batch
     finally:
         feed.close()
+
+
+def state_step(cfg: Config, state: dict, step: int) -> pa.RecordBatch:
+    """Global step `step` recomputed from `state` (at or before it), in this process."""
+    return next(state_steps(cfg, state, [step]))[1]
 
 
 def trace(
@@ -155,13 +165,13 @@ def trace(
     files = stream_files(cfg)
     decode = decoder(cfg) if text else None
     found: list[dict] = []
-    for step in steps:
-        if out is not None:
-            batch, written_world = export_step(out, step)
-        elif state is not None:
-            batch, written_world = state_step(cfg, state, step), 1
-        else:
-            raise ValueError("trace needs an export's directory or a state")
+    if out is not None:
+        batches = ((step, *export_step(out, step)) for step in steps)
+    elif state is not None:
+        batches = ((step, batch, 1) for step, batch in state_steps(cfg, state, steps))
+    else:
+        raise ValueError("trace needs an export's directory or a state")
+    for step, batch, written_world in batches:
         world = world_size or written_world
         segs = segments(batch, step, files, world, cfg.global_batch_size, decode)
         found += [s for s in segs if rank is None or s["rank"] == rank]

@@ -72,6 +72,8 @@ def test_the_same_from_world_sizes_a_state_and_the_cli(run):
     assert trace(cfg, [9], out=d / "w2", rank=1) == [s for s in two if s["rank"] == 1]
     state = json.loads((d / "w1" / "state-00000008.json").read_text())
     assert trace(cfg, [9], state=state) == want  # rebuilt at step 8, run forward one step
+    # A range from a state: rebuilt once, run forward once past every step asked for.
+    assert trace(cfg, [11, 9, 10], state=state) == trace(cfg, [9, 10, 11], out=d / "w1")
     with pytest.raises(ValueError, match="cannot give the earlier step"):
         trace(cfg, [3], state=state)
     cli = subprocess.run(
