@@ -13,7 +13,7 @@ export's Ray agents, which linger ~75 s, slowed the next method by up to 25%):
 - **tokenmill warm**: `tokenmill export --address` to a Ray cluster started once for the
   bench (`ray start --head`, its own temp dir and ports; stopped by its process group).
 - **tokenmill pool**: the same with `--pool N`: a warm pool of N tokenizer actors that the
-  previous export left (pipeline/pool.py), instead of Ray Data tasks in fresh workers. This
+  previous export left (pipeline/read/pool.py), instead of Ray Data tasks in fresh workers. This
   is what `--address` does by default; the warm method above passes `--pool 0`.
 
 Same corpus, L = 2048, concat packing, EOS after each document, N = the machine's CPUs (Ray's

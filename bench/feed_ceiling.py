@@ -34,11 +34,11 @@ def _corpus(path: Path | None, mb: int, work: Path) -> Path:
 
 
 def run(corpus: Path, mode: str, write: bool, work: Path) -> dict:
-    from pipeline.config import parse_config
-    from pipeline.exports import compact
     from pipeline.feed import Feed
-    from pipeline.reading import iter_blocks_local
+    from pipeline.read.reading import iter_blocks_local
+    from pipeline.read.resolve import parse_config
     from service.export import _write, step_path
+    from wire.layout import compact
 
     cfg = parse_config({"seq_len": SEQ_LEN, "global_batch_size": 16, "packing": {"mode": mode},
                         "streams": {"s": {"paths": [str(corpus)]}}})  # fmt: skip
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     tok = results[0]["tokenize_one_core_tokens_per_s"]
     ceiling = results[0]["tokens_per_s"]
     from pipeline.config import TokenizerConfig
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.tokenize.engines import load_tokenizer
 
     fast = load_tokenizer(TokenizerConfig()).fast  # the engine `auto` chose here
     engine = "hf" if fast is None else fast.name

@@ -24,9 +24,9 @@ from bench.e2e import BIN, RayHead
 
 
 def single_process_rate(cfg, units: int = 12) -> float:
-    from pipeline.documents import DocSource
-    from pipeline.reading import iter_blocks_local
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.read.reading import iter_blocks_local
+    from pipeline.stages.documents import DocSource
+    from pipeline.tokenize.engines import load_tokenizer
 
     load_tokenizer(cfg.tokenizer)
     stream = cfg.streams["corpus"]
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", nargs="+", required=True, help="JSONL files with `text`")
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="default: all cores")
     args = ap.parse_args(argv)
-    from pipeline.config import parse_config
+    from pipeline.read.resolve import parse_config
 
     config = {"seq_len": 2048, "global_batch_size": 16, "packing": {"mode": "concat"},
               "tokenizer": {"backend": "hf"},

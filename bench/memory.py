@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     import ray
     from ray._private.internal_api import get_memory_info_reply, get_state_from_address
 
-    from pipeline.config import parse_config
+    from pipeline.read.resolve import parse_config
     from service.demo_corpus import build_demo_corpus
     from service.export import run_export
 

@@ -33,7 +33,7 @@ def _one_thread() -> None:
 
 
 def _tokenizer_file() -> str:
-    from pipeline.tokenization import default_tokenizer_file
+    from pipeline.tokenize.engines import default_tokenizer_file
 
     return str(default_tokenizer_file())
 

@@ -29,7 +29,7 @@ from bench.throughput import corpus_texts, single_process_rate
 
 def _fast_rate(texts: list[str], repeats: int) -> list[float]:
     from pipeline.config import TokenizerConfig
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.tokenize.engines import load_tokenizer
 
     tok = load_tokenizer(TokenizerConfig(backend="tiktoken"))  # the bar is tiktoken's rate
     assert tok.fast is not None
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    from pipeline.config import parse_config
+    from pipeline.read.resolve import parse_config
     from service.demo_corpus import build_demo_corpus
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local throwaway clusters only

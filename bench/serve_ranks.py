@@ -443,7 +443,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
     import ray
 
     from bench.resume import warm_up
-    from pipeline.config import load_config, parse_config
+    from pipeline.read.resolve import load_config, parse_config
     from service.cluster import connect, shutdown
     from service.demo_corpus import build_demo_corpus
     from service.export import run_export

@@ -71,7 +71,7 @@ def write_corpus(path: Path, mb: float, sources: int, seed: int = 26) -> int:
 
 
 def config(corpus: Path, shuffle: dict, seed: int = 0):
-    from pipeline.config import parse_config
+    from pipeline.read.resolve import parse_config
 
     return parse_config(
         {
@@ -106,11 +106,11 @@ def windows(labels: np.ndarray, tokens: np.ndarray, sources: int, parts: int = 2
 
 def child(corpus: Path, name: str, per_source: int, sources: int, seed: int) -> dict:
     """One shuffle's figures (run in its own process)."""
-    from pipeline.documents import DocSource
     from pipeline.feed import Feed
-    from pipeline.reading import iter_blocks_local
-    from pipeline.shuffle import WindowShuffle
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.read.reading import iter_blocks_local
+    from pipeline.stages.documents import DocSource
+    from pipeline.stages.shuffle import WindowShuffle
+    from pipeline.tokenize.engines import load_tokenizer
 
     cfg = config(corpus, SHUFFLES[name], seed)
     load_tokenizer(cfg.tokenizer)  # its memory is not the shuffle's

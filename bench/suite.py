@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     import ray
 
     from bench import peers
-    from pipeline.config import parse_config
+    from pipeline.read.resolve import parse_config
     from service.cluster import connect
     from service.demo import demo_config
     from service.demo_corpus import build_demo_corpus

@@ -34,7 +34,7 @@ def corpus_texts(path: Path, limit_bytes: int) -> list[str]:
 
 def single_process_rate(texts: list[str], repeats: int) -> list[float]:
     from pipeline.config import TokenizerConfig
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.tokenize.engines import load_tokenizer
 
     os.environ["RAYON_NUM_THREADS"] = "1"
     tok = load_tokenizer(TokenizerConfig())
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
 
     import ray
 
-    from pipeline.config import parse_config
+    from pipeline.read.resolve import parse_config
     from service.cluster import connect
     from service.demo_corpus import build_demo_corpus
     from service.export import run_export

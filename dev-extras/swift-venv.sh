@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${SWIFT_VENV:-.venv-swift}
 stamp="$VENV/.tokenmill-installed"
-want=$(cat .ci/constraints-swift.txt dev-extras/swift-venv.sh | sha256sum | cut -c1-16)
+want=$(cat .ci/constraints-swift.txt dev-extras/swift-venv.sh pyproject.toml | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 echo '*' > "$VENV/.gitignore"   # never committed (python3.13's venv writes this itself)

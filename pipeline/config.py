@@ -1,7 +1,11 @@
-"""The run configuration (SPEC §3.1a), validated once at the edge into frozen models.
+"""The run configuration, validated once at the edge into frozen models: the bottom of
+`pipeline/`, importing nothing else of tokenmill, so that every layer may read it.
 
-Everything past `load_config` trusts these objects. Validation errors name the key and the
-offending value, e.g. ``streams.code.weight: must be > 0, got -1``.
+Everything past `load_config` (pipeline/read/resolve.py: the file read and its paths resolved)
+trusts these objects. Validation errors name the key and the offending value, e.g.
+``streams.code.weight: must be > 0, got -1``. Here too is what identifies a run's sequence
+(`Config.config_hash`, with the content of the tokenizer it names: `tokenizer_digest`) and
+what a valid mixture is (`normalize_weights`).
 """
 
 from __future__ import annotations
@@ -9,16 +13,17 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializationInfo,
-    ValidationError,
     field_serializer,
     field_validator,
     model_validator,
@@ -35,6 +40,103 @@ REDACTED = "***"
 def redact(options) -> dict:
     """Storage options with their keys kept and every value replaced (they hold secrets)."""
     return {k: REDACTED for k in (options or {})}
+
+
+# --- Stream weights: what a valid mixture is (the config's, a schedule's, a PUT's) ---
+
+
+def normalize_weights(weights: Mapping[str, float], names: list[str]) -> np.ndarray:
+    """Validate and normalize; streams not named get weight 0. Raises ValueError with the key."""
+    unknown = sorted(set(weights) - set(names))
+    if unknown:
+        raise ValueError(f"unknown stream {unknown[0]!r}; streams are {names}")
+    w = np.zeros(len(names), dtype=np.float64)
+    for i, name in enumerate(names):
+        v = weights.get(name, 0.0)
+        w[i] = check_weight(name, v)
+    with np.errstate(over="ignore"):
+        total = w.sum()
+    if total <= 0:
+        raise ValueError("weights must not all be zero")
+    if not math.isfinite(total):  # e.g. 1e308 + 1e308: scale first, the shares are the same
+        w = w / w.max()
+        total = w.sum()
+    return w / total
+
+
+def check_weight(name: str, v) -> float:
+    """One weight as a finite float >= 0, or a ValueError that names the stream."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ValueError(f"weight of {name!r} must be a number, got {v!r}")
+    try:
+        f = float(v)
+    except OverflowError:
+        raise ValueError(f"weight of {name!r} is too large ({len(str(v))} digits)") from None
+    if not math.isfinite(f) or f < 0:
+        raise ValueError(f"weight of {name!r} must be finite and >= 0, got {f}")
+    return f
+
+
+# --- What a tokenizer.name holds: its files' content, for cache keys and the config hash ---
+
+# The files of a tokenizer directory (or Hub repo) that shape its ids; weights are not read.
+TOKENIZER_FILE_NAMES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "tokenizer.model", "spiece.model", "vocab.json", "merges.txt", "vocab.txt",
+    "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+# path -> (its stat signature, its sha256): a file is hashed again only when its stat changes.
+# Shared by every thread of a process (the feed, the head start, a pool actor's calls); the
+# lock guards it, and is not held while hashing (two threads may hash one file at once).
+_DIGESTS: dict[str, tuple[tuple, str]] = {}
+_DIGESTS_LOCK = threading.Lock()
+
+
+def _file_digest(path: Path) -> str:
+    st = path.stat()
+    signature = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+    key = str(path)
+    with _DIGESTS_LOCK:
+        hit = _DIGESTS.get(key)
+    if hit is not None and hit[0] == signature:
+        return hit[1]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    with _DIGESTS_LOCK:
+        _DIGESTS[key] = (signature, digest)
+    return digest
+
+
+def tokenizer_digest(name: str) -> str | None:
+    """The sha256 of what tokenizer `name` is read from: a file's bytes, or a directory's
+    (or a locally cached Hub repo's) tokenizer files (TOKENIZER_FILE_NAMES), by name and
+    content. None for 'default' (pinned: CL100K_SHA256 and the conversion recipe) and for a
+    name with no local files. Re-hashed only when a file's stat changes (~10 us a call
+    otherwise; hashing cl100k's 14 MB tokenizer.json takes ~0.02 s).
+    """
+    if name == "default":
+        return None
+    path = Path(name).expanduser()
+    if path.is_file():
+        return _file_digest(path)
+    files: dict[str, Path] = {}
+    if path.is_dir():
+        files = {f: path / f for f in TOKENIZER_FILE_NAMES if (path / f).is_file()}
+    elif not name.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            for f in TOKENIZER_FILE_NAMES:
+                cached = try_to_load_from_cache(name, f)
+                if isinstance(cached, str):
+                    files[f] = Path(cached)
+        except (ImportError, ValueError):
+            return None
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(f"{f}\0{_file_digest(files[f])}\0".encode())
+    return h.hexdigest()
 
 
 class ConfigError(ValueError):
@@ -81,7 +183,7 @@ class PackingConfig(_Frozen):
 
 
 class ShuffleConfig(_Frozen):
-    """How a stream's documents are shuffled, per epoch (pipeline/shuffle.py, issue 26).
+    """How a stream's documents are shuffled, per epoch (pipeline/stages/shuffle.py, issue 26).
 
     - `files`: false reads the files, and each file's pieces, in order (no piece order, no
       interleave); with `window: 1` that is the files' own order.
@@ -132,7 +234,7 @@ class ReadConfig(_Frozen):
 
 
 class StreamConfig(_Frozen):
-    """One named stream. `format` is a module of pipeline/formats/ (jsonl, parquet, text, mds,
+    """One named stream. `format` is a module of pipeline/read/formats/ (jsonl, parquet, text, mds,
     arrow, export), inferred from the files when omitted.
 
     `tokens_field` (pretrain only) reads token ids from that field or column, with no
@@ -153,15 +255,6 @@ class StreamConfig(_Frozen):
     repeat: int = Field(default=1, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
     storage_options: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("format")
-    @classmethod
-    def _known_format(cls, v: str | None) -> str | None:
-        from pipeline.formats import registry  # local: formats import sources, which import this
-
-        if v is not None and v not in registry():
-            raise ValueError(f"must be one of {', '.join(sorted(registry()))}, got {v!r}")
-        return v
 
     @field_serializer("storage_options")
     def _hide_secrets(self, v: dict[str, Any], info: SerializationInfo) -> dict[str, Any]:
@@ -259,8 +352,6 @@ class Config(_Frozen):
 
     @model_validator(mode="after")
     def _schedule_names_streams(self) -> Config:
-        from pipeline.mixing import normalize_weights
-
         last = -1
         for i, entry in enumerate(self.schedule):
             try:
@@ -288,8 +379,6 @@ class Config(_Frozen):
         at a resume (`tokenizer_digest`: the file's sha256, or a directory's tokenizer
         files'). The default tokenizer is pinned (its ranks' sha256 and its conversion), so
         its configs keep their hashes."""
-        from pipeline.tokenizer_files import tokenizer_digest
-
         data = self.model_dump(
             mode="json", exclude={"service": True, "tokenizer": {"backend", "verify_fraction"}}
         )
@@ -310,68 +399,3 @@ class Config(_Frozen):
                     del stream[key]
         blob = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        value = e.get("input")
-        secret = "storage_options" in e["loc"]
-        shown = "" if isinstance(value, dict | list) or secret else f", got {value!r}"
-        lines.append(f"{key}: {msg}{shown}")
-    return "; ".join(lines)
-
-
-def parse_config(data: Any, base_dir: str | Path | None = None) -> Config:
-    """Validate a mapping into a Config and resolve every stream's paths (which must match)."""
-    from pipeline.sources import resolve_stream_files  # local: sources imports this module
-
-    if not isinstance(data, dict):
-        raise ConfigError(f"config must be a mapping, got {type(data).__name__}")
-    try:
-        cfg = Config.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from None
-    base = Path(base_dir) if base_dir is not None else Path.cwd()
-    streams = {}
-    for name, s in cfg.streams.items():
-        try:
-            files, fmt = resolve_stream_files(s, base)
-        except ValueError as e:
-            raise ConfigError(f"streams.{name}.paths: {e}") from None
-        # Freeze the resolution into the config so every process sees the same file list.
-        streams[name] = s.model_copy(update={"paths": files, "format": fmt})
-    return cfg.model_copy(update={"streams": streams, "tokenizer": _resolve_tokenizer(cfg, base)})
-
-
-def _resolve_tokenizer(cfg: Config, base: Path) -> TokenizerConfig:
-    """A relative tokenizer path resolves like a stream's paths: the working directory, then
-    the config's directory.
-
-    Only a name that exists there is rewritten (to an absolute path, so every process on every
-    node sees the same file); anything else stays a Hub name or 'default'.
-    """
-    name = cfg.tokenizer.name
-    if name == "default" or "://" in name or Path(name).is_absolute():
-        return cfg.tokenizer
-    for local in (Path.cwd() / name, base / name):  # the order stream paths resolve in
-        if local.exists():
-            return cfg.tokenizer.model_copy(update={"name": str(local.resolve())})
-    return cfg.tokenizer
-
-
-def load_config(path: str | Path) -> Config:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    return parse_config(data, base_dir=path.parent)

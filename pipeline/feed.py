@@ -17,13 +17,12 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import Config
-from pipeline.documents import DocSource, Reject
-from pipeline.mixing import DeficitMixer
-from pipeline.packing import Row, make_packer
-from pipeline.reading import Executor, iter_blocks_ray
-from pipeline.schema import build_batch, with_metadata
-from pipeline.shuffle import WindowShuffle
-from pipeline.states import (
+from pipeline.read.reading import Executor, iter_blocks_ray
+from pipeline.stages.documents import DocSource, Reject
+from pipeline.stages.mixing import DeficitMixer
+from pipeline.stages.packing import Row, make_packer
+from pipeline.stages.shuffle import WindowShuffle
+from pipeline.state.resume import (
     CONFIG_HASH,
     DOCS_EMITTED,
     FEED,
@@ -37,9 +36,10 @@ from pipeline.states import (
     check_state,
     seal,
 )
-from pipeline.summary import RunSummary, summarize
-from pipeline.tokenization import load_tokenizer
-from service.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
+from pipeline.state.summary import RunSummary, summarize
+from pipeline.tokenize.engines import load_tokenizer
+from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
+from wire.schema import build_batch, with_metadata
 
 
 class Feed:
@@ -74,7 +74,7 @@ class Feed:
         self.packer = make_packer(cfg.packing.mode, cfg.seq_len, cfg.packing.overflow, shuffled,
                                   self.mixer, cfg.packing.buffer, ramp_rows=cfg.global_batch_size)  # fmt: skip
         self.pad_id = load_tokenizer(cfg.tokenizer).pad_id
-        # False: steps in the compact layout (pipeline/exports.py), as the export writes them.
+        # False: steps in the compact layout (wire/layout.py), as the export writes them.
         self.full_batches = True
         self.step = 0
         self.rows = 0
@@ -91,7 +91,7 @@ class Feed:
             s.start()  # every stream's reading begins now, concurrently
         self.packer.replay()  # a resume's held documents (a changed source fails here)
 
-    # -- resumable state (SPEC M7; pipeline/stage.py) ----------------------------------------
+    # -- resumable state (SPEC M7; pipeline/stages/stage.py) ----------------------------------------
 
     def get_state(self) -> dict:
         """The state as of now: a resumed feed produces step `state["step"]` next.

@@ -35,8 +35,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 
-from pipeline.mixing import check_weight
-from pipeline.summary import stream_gauges
+from pipeline.config import check_weight
+from pipeline.state.summary import stream_gauges
 
 PAGE = Path(__file__).with_name("page.html")
 SWAGGER_STATIC = "/static/swagger"  # where the bundled Swagger UI assets are mounted
@@ -76,7 +76,7 @@ class Backend:
         if self._remote:
             import ray
 
-            from service.protocol import CONTROL_GROUP
+            from wire.protocol import CONTROL_GROUP
 
             fn = fn.options(concurrency_group=CONTROL_GROUP)  # never queued behind rank polls
             return ray.get(fn.remote(*args), timeout=timeout_s or self.timeout_s)
@@ -492,7 +492,7 @@ def _families(m: dict, st: dict) -> list:
     counter("rejects", "Bad records skipped, all streams", m.get("rejects") or 0)
     streams = m.get("streams")
     streams = streams if isinstance(streams, dict) else {}
-    for key, doc in stream_gauges():  # pipeline/summary.py declares them
+    for key, doc in stream_gauges():  # pipeline/state/summary.py declares them
         values = {n: s.get(key) for n, s in streams.items() if isinstance(s, dict)}
         (counter if key in STREAM_COUNTERS else gauge)(f"stream_{key}", doc, values, "stream")
     loss = m.get("stream_loss")

@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import ConfigError
+from pipeline.read.resolve import load_config
 
 if TYPE_CHECKING:
-    from pipeline.reading import Executor
-    from pipeline.summary import ExportReport, RunSummary
+    from pipeline.read.reading import Executor
+    from pipeline.state.summary import ExportReport, RunSummary
 
 ADDRESS_HELP = (
     "Ray cluster to join (`auto`: the one Ray finds; None: a new, private local Ray, never "
@@ -114,13 +115,13 @@ def _executor(args, ready) -> Executor | None:
     """Where an export tokenizes: in this process (`--local`), on a warm pool of actors
     (`--pool N`, and by default when joining a running cluster, sized to its CPUs: a pool
     there outlives this export, so the next one finds it warm), or on Ray Data tasks (None)."""
-    from pipeline.reading import iter_blocks_local
+    from pipeline.read.reading import iter_blocks_local
     from service.cluster import requested_address
 
     if args.local:
         return iter_blocks_local
     if args.pool or (args.pool is None and requested_address(args.address)):
-        from pipeline.pool import pool_executor
+        from pipeline.read.pool import pool_executor
 
         return pool_executor(args.pool or None, args.pool_idle_s, ready)
     return None
@@ -215,7 +216,7 @@ def _needs_ray(ready, address: str | None, report: ExportReport) -> bool:
 def _read_state(path: str | None, flag: str = "--resume") -> dict | None:
     if not path:
         return None
-    from pipeline.states import StateError, load_state
+    from pipeline.state.resume import StateError, load_state
 
     try:
         return load_state(path)
@@ -249,7 +250,7 @@ def parse_steps(text: str) -> list[int]:
 
 
 def cmd_trace(args) -> int:
-    from pipeline.provenance import trace
+    from pipeline.inspect.provenance import trace
 
     cfg = load_config(args.config)
     state = _read_state(args.state, "--state") if args.state else None
@@ -289,8 +290,8 @@ def cmd_check(args) -> int:
     """Validate the config, load the tokenizer, then read and tokenize every record once:
     the bad ones listed (the first `--show` of each stream) and counted, the good ones
     counted with their tokens, and the steps they make at the configured weights."""
-    from pipeline.stats import count_corpus, supply
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.inspect.stats import count_corpus, supply
+    from pipeline.tokenize.engines import load_tokenizer
 
     cfg = load_config(args.config)
     print(f"config ok: {len(cfg.streams)} stream(s), hash {cfg.config_hash()}")
@@ -360,8 +361,8 @@ def _print_supply(cfg, sup: dict) -> None:
 
 def cmd_stats(args) -> int:
     """Per stream, the token lengths of a sample of documents; for the mixture, one seq_len."""
-    from pipeline.stats import mixture_seq_len, sample_lengths, text_histogram
-    from pipeline.summary import describe_lengths
+    from pipeline.inspect.stats import mixture_seq_len, sample_lengths, text_histogram
+    from pipeline.state.summary import describe_lengths
 
     cfg = load_config(args.config)
     samples = sample_lengths(cfg, docs=args.docs)

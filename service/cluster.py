@@ -26,8 +26,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from service.protocol import NAMESPACE
 from service.records import live_records, recorded_address
+from wire.protocol import NAMESPACE
 
 # Every Ray worker runs one tokenizer thread: Ray already runs one worker per core, and a
 # rayon pool per worker would oversubscribe the cores.

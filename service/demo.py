@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pipeline.config import parse_config
+from pipeline.read.resolve import parse_config
 from service.demo_corpus import build_demo_corpus
 
 RANKS = 2

@@ -68,7 +68,7 @@ def _chat_pairs(path: Path, source: str):
 def build_demo_corpus(out_dir: str | Path | None = None, limit_bytes: int = 12 << 20) -> Path:
     """Write (once) and return the directory holding code.jsonl and chat.jsonl."""
     if out_dir is None:
-        from pipeline.tokenizer_files import cache_dir
+        from pipeline.tokenize.files import cache_dir
 
         tag = f"py{sys.version_info.major}{sys.version_info.minor}-{limit_bytes >> 20}m"
         out_dir = cache_dir() / "demo" / tag

@@ -1,7 +1,7 @@
 """`tokenmill export`: write the batches exactly as they would be served.
 
 One file per global step and rank, ``DIR/step-00000012-rank-0.parquet`` (or ``.arrow``), in the
-batch schema (pipeline/schema.py); ``DIR/rejects.jsonl`` lists every skipped record; and
+batch schema (wire/schema.py); ``DIR/rejects.jsonl`` lists every skipped record; and
 ``DIR/summary.json`` holds the run's figures. Tokenization runs in Ray Data tasks; the feed
 (mixing, packing, batch assembly) runs here, in the driver, beside the writer: its reads run
 ahead on background threads, so writing a step overlaps tokenizing the next ones. (It used to
@@ -25,11 +25,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import Config
-from pipeline.exports import LAYOUTS, compact
 from pipeline.feed import Feed, next_steps, rank_slice
-from pipeline.reading import Executor, iter_blocks_local, ray_executor, with_head_start
-from pipeline.states import check_state
-from pipeline.summary import (
+from pipeline.read.reading import Executor, iter_blocks_local, ray_executor, with_head_start
+from pipeline.state.resume import check_state
+from pipeline.state.summary import (
     ExportReport,
     FirstReads,
     Phases,
@@ -37,6 +36,7 @@ from pipeline.summary import (
     run_totals,
     summarize,
 )
+from wire.layout import LAYOUTS, compact
 
 STEPS_PER_CALL = 4
 
@@ -61,7 +61,7 @@ class _MdsSink:
     """All rows in global order into one MDS dataset at DIR/mds (world-size independent)."""
 
     def __init__(self, out: Path):
-        from pipeline.formats.mds import require_streaming
+        from pipeline.read.formats.mds import require_streaming
 
         require_streaming()  # a clear message where the `mds` extra is not installed
         from streaming import MDSWriter
@@ -194,11 +194,11 @@ def run_export(
     With `state_every` K, ``DIR/state-00000012.json`` is written whenever 12 steps (a multiple
     of K) are done: resuming from it continues with step 12. With `resume`, the run continues
     from such a state and step numbers carry on from it. `layout` is `compact` or `full`
-    (pipeline/exports.py). `started` is when the clock of the headline figures starts
+    (wire/layout.py). `started` is when the clock of the headline figures starts
     (`time.monotonic()`); by default this process's start. With `ray_ready`, Ray is still
     connecting in the background. `executor` reads and tokenizes: by default Ray Data, or a
-    warm pool (pipeline/pool.py), with this process tokenizing until those workers deliver
-    (pipeline/headstart.py); `reading.iter_blocks_local` makes everything in this process.
+    warm pool (pipeline/read/pool.py), with this process tokenizing until those workers deliver
+    (pipeline/read/headstart.py); `reading.iter_blocks_local` makes everything in this process.
     """
     if cfg.global_batch_size % world_size:
         raise ValueError(

@@ -10,7 +10,7 @@ What it answers:
 - `view()`: per stream, the token-weighted mean loss over the last `window` complete steps
   (and its tokens), for `/v1/metrics`, Prometheus and the page; and a per-step history;
 - `mean(lo, hi)`: per stream, the token-weighted mean over steps [lo, hi), or None unless
-  every step there is complete: what the mixing policy decides from (pipeline/mixing.py), so
+  every step there is complete: what the mixing policy decides from (pipeline/stages/mixing.py), so
   that its decision is a function of the reports, never of when they arrived.
 """
 

@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from pipeline.feed import Feed
-from service.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
 from service.window import StepWindow
+from wire.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
 
 
 class Producer:

@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 from pipeline.config import REVEAL_SECRETS, Config
-from service.protocol import CONCURRENCY_GROUPS, FAILED, NAMESPACE, SERVICE_NAME, STOPPING
 from service.records import (
     ServiceExists,
     alive,
@@ -45,6 +44,7 @@ from service.records import (
 )
 from service.records import service_file as service_file
 from service.server import BatchServer
+from wire.protocol import CONCURRENCY_GROUPS, FAILED, NAMESPACE, SERVICE_NAME, STOPPING
 
 STALE_BEAT_S = 10.0  # a service whose serve process has not beaten for this long is stale
 EXIT_GRACE_S = 2.0

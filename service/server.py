@@ -25,14 +25,16 @@ import socket
 import threading
 import time
 
-from pipeline.arrays import to_ipc
 from pipeline.config import Config
 from pipeline.feed import Feed, rank_runs
-from pipeline.states import StateError
-from pipeline.summary import summarize
+from pipeline.state.resume import StateError
+from pipeline.state.summary import summarize
 from service.losses import StreamLosses
 from service.producer import Producer
-from service.protocol import (
+from service.telemetry import Telemetry
+from service.window import StepWindow
+from wire.arrays import to_ipc
+from wire.protocol import (
     BEAT_S,
     FAILED,
     FINISHED,
@@ -55,8 +57,6 @@ from service.protocol import (
     StepReply,
     Welcome,
 )
-from service.telemetry import Telemetry
-from service.window import StepWindow
 
 
 class _Default(enum.Enum):
@@ -130,8 +130,8 @@ class BatchServer:
         start) until the workers deliver: the warm pool on a running cluster (`pool`: its
         actors outlive a service, so the next one finds them warm), else Ray Data tasks. The
         blocks are the same whoever tokenizes them, so the sequence is too."""
-        from pipeline.pool import pool_executor
-        from pipeline.reading import iter_blocks_ray, with_head_start
+        from pipeline.read.pool import pool_executor
+        from pipeline.read.reading import iter_blocks_ray, with_head_start
 
         executor = pool_executor(None) if self.pool else iter_blocks_ray
         try:
@@ -143,7 +143,7 @@ class BatchServer:
                 allow_config_change=allow_config_change,
                 on_reject=self.telemetry.add_reject,
             )
-            # Steps in the compact layout (pipeline/exports.py): no derivable column is built
+            # Steps in the compact layout (wire/layout.py): no derivable column is built
             # here, and a rank's slice of 4 x 2048 tokens is ~35 KB instead of ~170 KB, under
             # Ray's inline-reply limit. The rank's Feed expands it (trainer/feed.py).
             feed.full_batches = False
@@ -383,10 +383,10 @@ class BatchServer:
             return states[step]
 
     def provenance(self, step: int, world_size: int | None = None, text: bool = False) -> list:
-        """Which documents fed global step `step` (pipeline/provenance.py): from the step if
+        """Which documents fed global step `step` (pipeline/inspect/provenance.py): from the step if
         the window still holds it, else recomputed in this process from the newest state kept
         at or before it (the feed rebuilt there, run forward: at most the steps between)."""
-        from pipeline.provenance import decoder, segments, state_step, stream_files
+        from pipeline.inspect.provenance import decoder, segments, state_step, stream_files
 
         with self._cond:
             batch = self.window.steps.get(step)

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 
-from pipeline.documents import Reject
+from pipeline.stages.documents import Reject
 
 WAIT_WINDOW_S = 60.0
 RATE_WINDOW_S = 30.0

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from service.protocol import StepGone, WorldMismatch
+from wire.protocol import StepGone, WorldMismatch
 
 
 @dataclass

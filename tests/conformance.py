@@ -1,7 +1,7 @@
 """The shared checkpoint-conformance helper (torchdata's `run_test_save_load_state` idea):
 resuming at any midpoint equals the uninterrupted run, byte for byte.
 
-`assert_stage_conforms` checks any stage of pipeline/stage.py alone: the document source, the
+`assert_stage_conforms` checks any stage of pipeline/stages/stage.py alone: the document source, the
 shuffle window, the packers, the feed. `assert_resume_conforms` is the feed's, with its
 summary counters on top.
 """

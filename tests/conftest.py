@@ -71,7 +71,7 @@ def torch_one_thread():
 @pytest.fixture(scope="session")
 def tokenizer():
     from pipeline.config import TokenizerConfig
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.tokenize.engines import load_tokenizer
 
     return load_tokenizer(TokenizerConfig())
 

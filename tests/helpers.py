@@ -12,7 +12,7 @@ IGNORE = -100
 
 def rows_of(batch: pa.RecordBatch | pa.Table):
     """Rows as dicts in the full batch schema (a compact export step is expanded first)."""
-    from pipeline.exports import expand, expand_table
+    from wire.layout import expand, expand_table
 
     batch = expand_table(batch) if isinstance(batch, pa.Table) else expand(batch)
     cols = batch.to_pydict()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.config import parse_config
+from pipeline.read.resolve import parse_config
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
 from trainer.adapters import FEED_STATE_FILE, HF_KEYS, FeedDataset, hf_batch, prepare_packed

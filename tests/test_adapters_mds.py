@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.exports import read_step
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
 from service.export import run_export
 from tests.test_exports import _config
 from tests.test_pretokenized import _corpus
 from trainer.llmfoundry import build_dataloader, collate, labelled_tokens
+from wire.layout import read_step
 
 G = 4  # global_batch_size of tests/test_exports.py's config
 

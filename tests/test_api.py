@@ -6,11 +6,11 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 
-from pipeline.arrays import from_ipc
-from pipeline.config import parse_config
+from pipeline.read.resolve import parse_config
 from service.api import Backend, create_app
 from service.server import BatchServer, StepGone
 from tests.conftest import stdlib_texts, write_jsonl
+from wire.arrays import from_ipc
 
 pytestmark = pytest.mark.slow
 TOKEN = "s3cret-token"

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.chat import ChatEncoder, validate_messages
-from pipeline.config import parse_config
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.tokenize.chat import ChatEncoder, validate_messages
 from tests.helpers import check_row, rows_of
 
 IM_START, IM_END = 100264, 100265

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.chat import ChatEncoder
+from pipeline.tokenize.chat import ChatEncoder
 from tests.conftest import stdlib_texts, write_jsonl
 
 SPECIAL_TEXT = "see <|endoftext|> and <|im_end|> in text"
@@ -126,7 +126,7 @@ def test_two_chat_exports_at_once_equal_a_lone_one(ray_cluster, tmp_path):
     """Two exports of a chat-stream config at once (the CLI), then one alone: every run exits
     0 and writes the same bytes (each export's head start tokenizes its three streams on
     threads sharing one tokenizer; before, 6 of 10 such runs died of "Already borrowed")."""
-    from pipeline.config import load_config
+    from pipeline.read.resolve import load_config
     from service.export import run_export
 
     cfg = _chat_config(tmp_path)
@@ -151,7 +151,7 @@ def test_loading_one_tokenizer_from_threads_at_once_loads_it_once(n_threads):
     """The process-wide tokenizer cache is filled under its lock: every thread gets the same
     object."""
     from pipeline.config import TokenizerConfig
-    from pipeline.tokenization import load_tokenizer
+    from pipeline.tokenize.engines import load_tokenizer
 
     got: list = []
     threads = [

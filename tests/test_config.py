@@ -1,7 +1,8 @@
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, load_config, parse_config
+from pipeline.config import ConfigError
+from pipeline.read.resolve import load_config, parse_config
 
 
 def _cfg(tmp_path, **over):

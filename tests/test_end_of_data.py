@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from pipeline.config import parse_config
+from pipeline.read.resolve import parse_config
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.test_adapters import LENGTH, hf_run

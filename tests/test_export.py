@@ -9,8 +9,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import parse_config
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
 from service.export import run_export
 from tests.helpers import check_row, reassemble, rows_of
 
@@ -158,8 +158,8 @@ def test_cli_export_against_a_running_cluster(ray_cluster, corpus, tmp_path):
 
 
 def test_an_export_joining_a_cluster_tokenizes_on_a_warm_pool_by_default(monkeypatch):
-    from pipeline.pool import PoolExecutor
-    from pipeline.reading import iter_blocks_local
+    from pipeline.read.pool import PoolExecutor
+    from pipeline.read.reading import iter_blocks_local
     from service.cli import _executor, build_parser
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

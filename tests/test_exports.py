@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import parse_config
-from pipeline.exports import compact, expand, read_step
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
 from service.export import run_export
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.test_pretokenized import SEQ, _corpus
+from wire.layout import compact, expand, read_step
 
 
 def _config(src, chat: bool, mode: str = "bfd"):
@@ -95,7 +95,7 @@ def test_an_unknown_layout_is_refused(tmp_path):
 
 
 def test_full_layout_schema_is_the_batch_schema(tmp_path):
-    from pipeline.schema import batch_schema
+    from wire.schema import batch_schema
 
     cfg = _config(_corpus(tmp_path), chat=True)
     run_export(cfg, tmp_path / "o", executor=iter_blocks_local, layout="full", steps=1)
@@ -127,8 +127,8 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
     come out in unit order, equal to one executor's, whichever side is faster."""
     import time
 
-    from pipeline.headstart import BACK_UNITS, HeadStart
-    from pipeline.reading import iter_blocks_local
+    from pipeline.read.headstart import BACK_UNITS, HeadStart
+    from pipeline.read.reading import iter_blocks_local
 
     cfg, units, stream, plain = _small_units(tmp_path)
     made: dict[str, list[int]] = {"local": [], "executor": []}
@@ -165,8 +165,8 @@ def test_a_head_start_takes_over_what_a_starting_executor_has_not_delivered(tmp_
     import time
     from concurrent.futures import Future
 
-    from pipeline.headstart import HeadStart
-    from pipeline.reading import iter_blocks_local
+    from pipeline.read.headstart import HeadStart
+    from pipeline.read.reading import iter_blocks_local
 
     cfg, units, stream, plain = _small_units(tmp_path)
     closed = threading.Event()
@@ -209,8 +209,8 @@ def test_an_executor_starts_only_if_it_would_deliver_before_the_local_thread_is_
     import threading
     from concurrent.futures import Future
 
-    from pipeline.headstart import HeadStart
-    from pipeline.reading import iter_blocks_local
+    from pipeline.read.headstart import HeadStart
+    from pipeline.read.reading import iter_blocks_local
 
     cfg, units, stream, plain = _small_units(tmp_path)
     started: list[int] = []
@@ -244,8 +244,8 @@ def test_a_head_start_that_made_everything_does_not_wait_for_ray(tmp_path):
     from concurrent.futures import Future
 
     from pipeline.feed import Feed
-    from pipeline.headstart import MIN_UNITS_FOR_EXECUTOR, HeadStart
-    from pipeline.reading import iter_blocks_local
+    from pipeline.read.headstart import MIN_UNITS_FOR_EXECUTOR, HeadStart
+    from pipeline.read.reading import iter_blocks_local
 
     cfg = parse_config(
         {"seq_len": SEQ, "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}}}
@@ -323,7 +323,7 @@ def _processes_mentioning(text: str) -> list[str]:
 def test_the_first_step_does_not_import_pandas(tmp_path):
     """pyarrow's `pa.array`/`to_numpy` import pandas on first use (0.35-0.5 s, 294 modules):
     the path to an export's first step builds its arrays from buffers instead
-    (pipeline/arrays.py). Run in a fresh process, where nothing imported pandas yet."""
+    (wire/arrays.py). Run in a fresh process, where nothing imported pandas yet."""
     import subprocess
     import sys
 
@@ -331,10 +331,10 @@ def test_the_first_step_does_not_import_pandas(tmp_path):
     code = f"""
 import sys
 from pathlib import Path
-from pipeline.config import parse_config
-from pipeline.exports import compact
+from pipeline.read.resolve import parse_config
+from wire.layout import compact
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
 from service.export import _write
 cfg = parse_config({{"seq_len": 256, "global_batch_size": 4,
                     "streams": {{"s": {{"paths": ["{tmp_path / "d.jsonl"}"]}}}}}})
@@ -363,7 +363,7 @@ def test_derived_positions_match_a_token_by_token_reference():
     """Rows with no documents, full rows, empty documents, sliced list arrays."""
     import random
 
-    from pipeline.exports import _positions
+    from wire.layout import _positions
 
     rng = random.Random(0)
     for _ in range(500):
@@ -393,10 +393,10 @@ def test_a_reply_run_decodes_to_each_step_of_the_rank(tmp_path, monkeypatch, dec
 
     monkeypatch.setattr(trainer.feed, "DECODE_TOKENS", decode_tokens)
 
-    from pipeline.arrays import from_ipc, to_ipc
-    from pipeline.exports import tensor_columns
     from pipeline.feed import Feed, rank_runs, rank_slice
     from trainer.feed import to_torch_steps
+    from wire.arrays import from_ipc, to_ipc
+    from wire.layout import tensor_columns
 
     cfg = _config(_corpus(tmp_path), chat=False)
     feed = Feed(cfg, iter_blocks_local)

@@ -1,4 +1,4 @@
-"""Formats as plug-ins (pipeline/formats/): the registry, inference, metadata files, Arrow IPC
+"""Formats as plug-ins (pipeline/read/formats/): the registry, inference, metadata files, Arrow IPC
 (file and stream format, split into pieces) and Hugging Face `save_to_disk` directories."""
 
 from __future__ import annotations
@@ -9,9 +9,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline import formats
-from pipeline.config import ConfigError, parse_config
-from pipeline.sources import plan_pieces, read_piece
+from pipeline.config import ConfigError
+from pipeline.read import formats
+from pipeline.read.resolve import parse_config
+from pipeline.read.sources import plan_pieces, read_piece
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.test_sources import export_local
 

@@ -25,10 +25,10 @@ import random
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import parse_config
-from pipeline.exports import expand_table
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
 from service.export import run_export
+from wire.layout import expand_table
 
 _WORDS = (
     "the of and to in is that for it as with was on be by at this from or have an they which "

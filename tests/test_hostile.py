@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import parse_config
-from pipeline.documents import BadRecordError
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.stages.documents import BadRecordError
 from tests.conftest import stdlib_texts
 from tests.helpers import reassemble, rows_of
 

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from pipeline.arrays import from_ipc
-from pipeline.states import StateError
+from pipeline.state.resume import StateError
 from tests import test_api
 from tests.test_api import AUTH, take
+from wire.arrays import from_ipc
 
 server, client = test_api.server, test_api.client  # the same real-server fixtures
 

@@ -8,9 +8,10 @@ import sys
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, parse_config
+from pipeline.config import ConfigError
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
 
 

@@ -13,9 +13,12 @@ import zlib
 
 import pytest
 
-from pipeline.config import ConfigError, parse_config
-from pipeline.sources import _jsonl_pieces, list_mds_shards, read_piece
-from pipeline.stats import length_stats, scan
+from pipeline.config import ConfigError
+from pipeline.inspect.stats import length_stats, scan
+from pipeline.read.formats.jsonl import jsonl_pieces as _jsonl_pieces
+from pipeline.read.formats.mds import list_mds_shards
+from pipeline.read.resolve import parse_config
+from pipeline.read.sources import read_piece
 from tests.test_hostile import _run
 
 GOOD = "good record number {}"
@@ -217,7 +220,8 @@ def test_gzip_bomb_is_read_in_bounded_memory(tmp_path):
     _bomb(tmp_path / "b.jsonl.gz", 64 << 20)
     code = f"""
 import resource
-from pipeline.sources import Piece, read_piece
+from pipeline.read.access import Piece
+from pipeline.read.sources import read_piece
 piece = Piece(0, {str(tmp_path / "b.jsonl.gz")!r}, "jsonl", max_record=1 << 20)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 out = [(rec, err) for rec, _, err in read_piece(piece, "text")]
@@ -422,8 +426,8 @@ def test_a_config_kwargs_value_never_appears_in_an_error():
 def test_an_endpoint_url_never_appears_in_an_error_or_a_reject(tmp_path):
     """An unreachable endpoint: botocore quotes the URL whole, in the error resolving the
     paths and in the reject of a read; both show the option's name instead."""
-    from pipeline.formats import ReadSpec
-    from pipeline.sources import Access, Piece
+    from pipeline.read.access import Access, Piece
+    from pipeline.read.formats import ReadSpec
 
     endpoint = f"http://127.0.0.1:{_closed_port()}/{SECRET_PATH}"
     opts = {"endpoint_url": endpoint, "key": "k", "secret": "s",

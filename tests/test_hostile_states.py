@@ -1,7 +1,7 @@
 """Hostile states and an unbounded mixture history (issue 24, findings 6 and 7).
 
 A state that is not an object is refused, never read as "no state". The seal is a keyless
-SHA-256 (pipeline/states.py `SEAL`): it detects corruption, not tampering, so a state edited
+SHA-256 (pipeline/state/resume.py `SEAL`): it detects corruption, not tampering, so a state edited
 and re-sealed by hand is checked for what a run can be in, and refused when it holds
 duplicate pool entries or positions out of bounds. The mixture history stays bounded however
 many weight changes arrive, and a resume continues exactly.
@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from pipeline.config import parse_config
 from pipeline.feed import Feed
-from pipeline.mixing import HISTORY_PAST
-from pipeline.reading import iter_blocks_local
-from pipeline.states import SEAL, StateError, check_state, digest, load_state, seal
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.stages.mixing import HISTORY_PAST
+from pipeline.state.resume import SEAL, StateError, check_state, digest, load_state, seal
 from tests.conftest import stdlib_texts, write_jsonl
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 import service.server
-from pipeline.config import parse_config
+from pipeline.read.resolve import parse_config
 from service.server import BatchServer
 from tests.conftest import stdlib_texts, write_jsonl
 

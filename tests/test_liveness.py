@@ -15,7 +15,7 @@ import pytest
 import ray
 import yaml
 
-from pipeline.config import parse_config
+from pipeline.read.resolve import parse_config
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.rayhead import free_port, wait_http

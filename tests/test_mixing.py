@@ -5,10 +5,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import parse_config
 from pipeline.feed import Feed
-from pipeline.mixing import DeficitMixer
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.stages.mixing import DeficitMixer
 from service.demo_corpus import _chat_pairs
 from tests.conftest import STDLIB, stdlib_texts, write_jsonl
 from tests.helpers import check_row, reassemble, rows_of

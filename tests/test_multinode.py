@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import yaml
 
-from pipeline.config import parse_config
+from pipeline.read.resolve import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.rayhead import free_port, wait_http, wait_listening
 from tests.test_ranks import exported

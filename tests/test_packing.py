@@ -4,11 +4,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.documents import Doc
-from pipeline.mixing import DeficitMixer
-from pipeline.packing import make_packer
-from pipeline.schema import build_batch
+from pipeline.stages.mixing import DeficitMixer
+from pipeline.stages.packing import make_packer
+from pipeline.stages.stage import Doc
 from tests.helpers import check_row, reassemble, rows_of
+from wire.schema import build_batch
 
 PAD = 0
 

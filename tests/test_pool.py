@@ -1,4 +1,4 @@
-"""The warm tokenizer pool (pipeline/pool.py): the same batches as Ray Data and in-process,
+"""The warm tokenizer pool (pipeline/read/pool.py): the same batches as Ray Data and in-process,
 the same actors reused by the next run, and gone once idle."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 
 from pipeline.feed import Feed
-from pipeline.pool import NAMESPACE, code_digest, pool_executor
-from pipeline.reading import iter_blocks_local
+from pipeline.read.pool import NAMESPACE, code_digest, pool_executor
+from pipeline.read.reading import iter_blocks_local
 from tests.conformance import batch_bytes
 from tests.test_export import config
 

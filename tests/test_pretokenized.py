@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, parse_config
-from pipeline.exports import read_step
-from pipeline.reading import iter_blocks_local
+from pipeline.config import ConfigError
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
 from service.export import run_export
 from tests.conftest import stdlib_texts, write_jsonl
+from wire.layout import read_step
 
 SEQ = 256
 
@@ -183,8 +184,8 @@ def test_parquet_and_arrow_token_lists_get_bos_as_configured(tmp_path):
 def test_bad_token_records_are_named_and_counted(tmp_path):
     from streaming import MDSWriter
 
-    from pipeline.documents import BadRecordError
     from pipeline.feed import Feed
+    from pipeline.stages.documents import BadRecordError
 
     good = _token_docs(3, seed=5)
     with MDSWriter(out=str(tmp_path / "mds"), columns={"tokens": "ndarray:int64"}) as w:
@@ -230,7 +231,7 @@ def test_tokenmill_mds_export_reads_back_split_by_seq_lens(tmp_path):
     """`export --format mds` is a source: recognized by its columns (as `format: export`,
     given the export directory or its `mds/`), each row's segments are documents, with the
     loss mask from `labels`."""
-    from pipeline.sources import plan_pieces, read_piece
+    from pipeline.read.sources import plan_pieces, read_piece
 
     src = _corpus(tmp_path)
     first = parse_config(

@@ -5,15 +5,15 @@ import time
 
 import pytest
 
-from pipeline.config import parse_config
-from pipeline.documents import Reject
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.stages.documents import Reject
 from service.producer import Producer
-from service.protocol import FAILED, FINISHED, PAUSED
 from service.telemetry import Telemetry
 from service.window import StepWindow
 from tests.conftest import stdlib_texts, write_jsonl
+from wire.protocol import FAILED, FINISHED, PAUSED
 
 
 def until(cond, timeout_s=60.0):

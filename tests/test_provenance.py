@@ -12,9 +12,9 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from pipeline.config import load_config
-from pipeline.provenance import documents_of, trace
-from pipeline.reading import iter_blocks_local
+from pipeline.inspect.provenance import documents_of, trace
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import load_config
 from service.api import Backend, create_app
 from service.export import run_export
 from service.server import BatchServer

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import ray
 
-from pipeline.config import parse_config
-from pipeline.exports import read_step
-from pipeline.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
 from service.export import run_export
-from service.protocol import TENSOR_COLUMNS
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
 from trainer.feed import Feed
+from wire.layout import read_step
+from wire.protocol import TENSOR_COLUMNS
 
 pytestmark = pytest.mark.slow
 

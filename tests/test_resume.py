@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from pipeline.config import parse_config
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
-from pipeline.states import StateError
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.state.resume import StateError
 from service.demo_corpus import _chat_pairs
 from tests.conformance import assert_resume_conforms, batch_bytes
 from tests.conftest import STDLIB, stdlib_texts, write_jsonl

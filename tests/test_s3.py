@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, parse_config
+from pipeline.config import ConfigError
+from pipeline.read.resolve import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
 
 SECRET = "s3cr3t-Sh0uld-N0t-Leak-4242"
@@ -166,8 +167,8 @@ def test_cli_export_from_s3_equals_the_local_export(endpoint, corpus, tmp_path):
 
 def test_ray_workers_read_s3_with_the_streams_options(endpoint, corpus, no_aws, ray_cluster):
     """Every unit read through Ray Data (no head start): the options travel with the tasks."""
-    from pipeline.documents import DocSource
-    from pipeline.reading import iter_blocks_local, iter_blocks_ray
+    from pipeline.read.reading import iter_blocks_local, iter_blocks_ray
+    from pipeline.stages.documents import DocSource
 
     remote = parse_config(_config(endpoint, corpus))
     local = parse_config(_config(None, corpus))

@@ -11,11 +11,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import parse_config
-from pipeline.documents import OPEN, DocSource
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
-from pipeline.shuffle import Interleave, WindowShuffle
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.stages.documents import OPEN, DocSource
+from pipeline.stages.shuffle import Interleave, WindowShuffle
 from service.export import run_export
 from tests.conformance import assert_resume_conforms, assert_stage_conforms, doc_key
 from tests.test_golden import WORDS

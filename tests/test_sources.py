@@ -7,10 +7,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import parse_config
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
-from pipeline.sources import _jsonl_pieces, read_piece
+from pipeline.read.formats.jsonl import jsonl_pieces as _jsonl_pieces
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.read.sources import read_piece
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.helpers import reassemble, rows_of
 

@@ -1,4 +1,4 @@
-"""Every stateful stage alone passes the conformance helper (issue 16; pipeline/stage.py):
+"""Every stateful stage alone passes the conformance helper (issue 16; pipeline/stages/stage.py):
 the document source, the shuffle window, the mixer and both packers. The feed, which chains
 them, is checked in tests/test_resume.py. A hypothesis property then checks random chains."""
 
@@ -12,12 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import parse_config
-from pipeline.documents import Doc, DocSource
-from pipeline.mixing import DeficitMixer
-from pipeline.packing import make_packer
-from pipeline.reading import iter_blocks_local
-from pipeline.shuffle import WindowShuffle
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.stages.documents import DocSource
+from pipeline.stages.mixing import DeficitMixer
+from pipeline.stages.packing import make_packer
+from pipeline.stages.shuffle import WindowShuffle
+from pipeline.stages.stage import Doc
 from tests.conformance import assert_stage_conforms, doc_key, row_key
 from tests.conftest import stdlib_texts, write_jsonl
 

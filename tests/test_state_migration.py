@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import parse_config
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
-from pipeline.states import STATE_VERSION, StateError, check_state, migrate, seal
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.state.resume import STATE_VERSION, StateError, check_state, migrate, seal
 from tests.conformance import batch_bytes
 from tests.test_golden import _config, _corpus
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import parse_config
 from pipeline.feed import Feed
-from pipeline.reading import iter_blocks_local
-from pipeline.states import StateError, check_state, digest, seal
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.state.resume import StateError, check_state, digest, seal
 from tests.conftest import stdlib_texts, write_jsonl
 
 

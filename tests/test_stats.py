@@ -6,9 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline.config import parse_config
-from pipeline.stats import length_stats, mixture_seq_len
-from pipeline.summary import describe_lengths
+from pipeline.inspect.stats import length_stats, mixture_seq_len
+from pipeline.read.resolve import parse_config
+from pipeline.state.summary import describe_lengths
 from tests.conftest import write_jsonl
 
 

@@ -49,7 +49,7 @@ def test_reports_are_joined_per_step_over_the_ranks():
 def test_hf_trainer_reports_loss_per_stream_that_adds_up_to_its_loss(ray_cluster, tmp_path):
     from transformers import TrainingArguments
 
-    from pipeline.config import parse_config
+    from pipeline.read.resolve import parse_config
     from service.serve import start_server
     from tests.conftest import stdlib_texts, write_jsonl
     from tests.test_adapters import LENGTH, TOKENIZER_VOCAB, tiny_llama

@@ -1,4 +1,4 @@
-"""The typed run summary (pipeline/summary.py): its JSON keeps summary.json's and the API's
+"""The typed run summary (pipeline/state/summary.py): its JSON keeps summary.json's and the API's
 shape, and its declared per-stream gauges are what Prometheus exports (issue 16)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pyarrow.parquet as pq
 
-from pipeline.reading import iter_blocks_local
-from pipeline.summary import StreamSummary, stream_gauges
+from pipeline.read.reading import iter_blocks_local
+from pipeline.state.summary import StreamSummary, stream_gauges
 from service.api import prometheus_text
 from service.export import run_export
 from tests.test_golden import _config, _corpus

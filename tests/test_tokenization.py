@@ -13,11 +13,11 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from pipeline.config import TokenizerConfig, parse_config
-from pipeline.proofs import REQUIRED, bytes_decoder, prove_fast
-from pipeline.reading import Unit, tokenize_unit
-from pipeline.sources import plan_pieces
-from pipeline.tokenization import (
+from pipeline.config import TokenizerConfig
+from pipeline.read.reading import Unit, tokenize_unit
+from pipeline.read.resolve import parse_config
+from pipeline.read.sources import plan_pieces
+from pipeline.tokenize.engines import (
     BACKEND_FAST,
     BACKEND_FASTOKENS,
     BACKEND_HF,
@@ -33,7 +33,8 @@ from pipeline.tokenization import (
     load_tokenizer,
     verify_sample,
 )
-from pipeline.tokenizer_files import cl100k_ranks_file, default_tokenizer_file
+from pipeline.tokenize.files import cl100k_ranks_file, default_tokenizer_file
+from pipeline.tokenize.proofs import REQUIRED, bytes_decoder, prove_fast
 from tests.conftest import stdlib_texts
 
 
@@ -133,7 +134,7 @@ def test_each_fast_engine_can_be_named_and_is_exact(engine):
 def test_auto_takes_the_next_engine_when_one_fails_its_probe(monkeypatch):
     """Under auto, a fastokens engine whose split differs gives way to tiktoken; under
     `backend: fastokens` the same engine is an error, naming the text."""
-    import pipeline.tokenization as tokenization
+    import pipeline.tokenize.engines as tokenization
 
     monkeypatch.setattr(tokenization, "_fastokens_engine", lambda form: _wrong_engine("fastokens"))
     monkeypatch.setattr(tokenization, "_preload_fastokens", lambda cfg: None)
@@ -253,7 +254,7 @@ def test_special_ids_outside_the_vocabulary_are_refused(key):
         load_tokenizer(TokenizerConfig(**{key: 2_000_000_000}))
 
 
-# --- Load-time proofs (pipeline.proofs.prove_fast): exactness of the fast backend's BPE, by construction ---
+# --- Load-time proofs (pipeline.tokenize.proofs.prove_fast): exactness of the fast backend's BPE, by construction ---
 
 
 def test_fast_backend_is_proven_exact_for_the_default_tokenizer(tokenizer):

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import TokenizerConfig, parse_config
-from pipeline.tokenization import load_tokenizer
-from pipeline.tokenizer_files import DOWNLOAD_ENV, sentencepiece_tokenizer_file
+from pipeline.config import TokenizerConfig
+from pipeline.read.resolve import parse_config
+from pipeline.tokenize.engines import load_tokenizer
+from pipeline.tokenize.files import DOWNLOAD_ENV, sentencepiece_tokenizer_file
 from tests.conftest import stdlib_texts
 
 WORDS = ["hello", "world", "a", "b", "the", "<", ">", "s", "/", "|"]
@@ -282,7 +283,7 @@ def test_a_hub_name_in_the_local_cache_loads_offline(tmp_path):
     (repo / "refs" / "main").write_text(commit)
     code = (
         "from pipeline.config import TokenizerConfig\n"
-        "from pipeline.tokenization import load_tokenizer\n"
+        "from pipeline.tokenize.engines import load_tokenizer\n"
         "t = load_tokenizer(TokenizerConfig(name='tokenmill-test/tiny', backend='hf'))\n"
         "print(t.bos_id, t.eos_id, t.add_bos, t.encode(['hello world'])[0].tolist())\n"
     )

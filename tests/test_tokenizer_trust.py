@@ -9,18 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import TokenizerConfig, parse_config
-from pipeline.documents import BadRecordError
-from pipeline.proofs import class_atoms, split_exceptions
-from pipeline.reading import iter_blocks_local, tokenize_unit_json
-from pipeline.states import StateError, check_state
-from pipeline.tokenization import (
+from pipeline.config import TokenizerConfig
+from pipeline.read.reading import iter_blocks_local, tokenize_unit_json
+from pipeline.read.resolve import parse_config
+from pipeline.stages.documents import BadRecordError
+from pipeline.state.resume import StateError, check_state
+from pipeline.tokenize.engines import (
     BACKEND_HF_SPLIT,
     CL100K_TIKTOKEN_PATTERN,
     FAST_PROBE,
     load_tokenizer,
 )
-from pipeline.tokenizer_files import CL100K_HF_PATTERN
+from pipeline.tokenize.files import CL100K_HF_PATTERN
+from pipeline.tokenize.proofs import class_atoms, split_exceptions
 from service.export import run_export
 from tests.conftest import stdlib_texts, write_jsonl
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from service.protocol import StepGone, WorldMismatch
 from service.window import StepWindow
+from wire.protocol import StepGone, WorldMismatch
 
 
 class Clock:

@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from service.protocol import SERVICE_NAME
 from trainer.feed import Feed
+from wire.protocol import SERVICE_NAME
 
 HF_KEYS = ("input_ids", "labels", "position_ids")
 FEED_STATE_FILE = "tokenmill_feed.json"

@@ -22,7 +22,7 @@ waits on other ranks or on a pause, a rank waits as long as the service is alive
 `FeedError` when the service is gone or stopped (within seconds), failed, or does not produce
 the step within `timeout_s` although nothing holds it back.
 
-Batches arrive in the compact layout (pipeline/exports.py: no column that `input_ids` and
+Batches arrive in the compact layout (wire/layout.py: no column that `input_ids` and
 `seq_lens` determine), up to 32 steps in the answer to one call, as runs: one Arrow record
 batch holding this rank's rows of consecutive steps (protocol.StepReply). The rank derives
 `labels`, `position_ids` and `segment_ids` straight into int64 and copies each stored column
@@ -41,7 +41,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from service.protocol import (
+from wire.protocol import (
     BEAT_GROUP,
     CONSUMER_GROUP,
     CONTROL_GROUP,
@@ -92,7 +92,7 @@ def to_torch_steps(batch) -> Iterator[dict]:
     once, and a step's tensors are views of its pass's (contiguous rows)."""
     import torch
 
-    from pipeline.exports import tensor_columns
+    from wire.layout import tensor_columns
 
     n = batch.num_rows
     L = batch.column("input_ids").type.list_size
@@ -270,7 +270,7 @@ class Feed:
         self._start_beats(welcome.beat_s)
 
     def __next__(self) -> dict:
-        from pipeline.arrays import from_ipc
+        from wire.arrays import from_ipc
 
         if self._ended:
             raise StopIteration

@@ -28,7 +28,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from service.protocol import IGNORE_LABEL
+from wire.protocol import IGNORE_LABEL
 
 NEEDED = ("input_ids", "labels", "seq_lens")
 

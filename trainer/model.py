@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from service.protocol import IGNORE_LABEL
+from wire.protocol import IGNORE_LABEL
 
 IGNORE_INDEX = IGNORE_LABEL  # the labels of padding, prompts and first tokens
 

@@ -71,8 +71,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from service.protocol import SERVICE_NAME
 from trainer.adapters import FeedDataset, feed_trainer, load_feed_state
+from wire.protocol import SERVICE_NAME
 
 DATASET_NAME = "tokenmill"
 TRAINER_PATH = "trainer.swift.SwiftFeedTrainer"

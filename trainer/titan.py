@@ -65,8 +65,8 @@ from typing import Any
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
-from service.protocol import IGNORE_LABEL, SERVICE_NAME
 from trainer.adapters import FeedDataset
+from wire.protocol import IGNORE_LABEL, SERVICE_NAME
 
 SERVICE_ENV, ADDRESS_ENV, TIMEOUT_ENV = (
     "TOKENMILL_SERVICE",

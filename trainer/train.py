@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from service.protocol import TENSOR_COLUMNS
 from trainer.feed import stream_loss
 from trainer.model import IGNORE_INDEX, forward_packed, small_llama, token_losses
+from wire.protocol import TENSOR_COLUMNS
 
 TENSOR_KEYS = TENSOR_COLUMNS
 CHECKPOINT_FILE = "checkpoint.pt"

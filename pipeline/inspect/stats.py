@@ -1,0 +1,218 @@
+"""`tokenmill stats` and `tokenmill check`: look at the sources before a run.
+
+`sample_lengths` tokenizes the first N documents of each stream (in-process, same code path as
+the workers), `length_stats` summarizes them per stream, and `mixture_seq_len` turns them into
+one seq_len for the whole mixture at its configured weights. `count_corpus` reads and
+tokenizes every record once, and `supply` says how many steps that makes at the configured
+weights. `scan` reads every record of every stream and lists the bad ones, without tokenizing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.config import Config
+from pipeline.read.access import WHOLE_FILE
+from pipeline.read.reading import Unit, iter_blocks_local, iter_records
+from pipeline.stages.documents import DocSource, Reject
+from pipeline.stages.shuffle import WindowShuffle
+from pipeline.state.summary import describe_lengths
+
+# The mixture's seq_len holds this share of its documents whole (`tokenmill stats --fit`).
+FIT = 0.99
+MIN_SEQ_LEN = 64
+
+
+def sample_lengths(cfg: Config, docs: int = 2000) -> dict[str, tuple[np.ndarray, int]]:
+    """Per stream: the token lengths of its first `docs` documents as the feed reads them,
+    and the bad records skipped on the way."""
+    out = {}
+    for i, name in enumerate(cfg.streams):
+        sd = DocSource(name, i, cfg.model_copy(update={"on_error": "skip"}), iter_blocks_local)
+        lengths = []
+        for doc in WindowShuffle(sd, cfg.shuffle.window, cfg.seed, name):  # as the feed reads
+            lengths.append(len(doc))
+            if len(lengths) >= docs:
+                break
+        out[name] = (np.array(lengths, dtype=np.int64), sd.counters.skipped)
+    return out
+
+
+def length_stats(cfg: Config, docs: int = 2000) -> dict:
+    return {
+        name: describe_lengths(lengths) | {"skipped_while_sampling": skipped}
+        for name, (lengths, skipped) in sample_lengths(cfg, docs).items()
+    }
+
+
+def cut_share(lengths: np.ndarray, seq_len: int) -> float:
+    """The share of a stream's tokens past the first `seq_len` tokens of their document: what
+    a row of `seq_len` cannot hold with its document's start (split into later rows, cut off,
+    or dropped with the document, per packing.overflow)."""
+    total = int(lengths.sum())
+    return float(np.maximum(lengths - seq_len, 0).sum() / total) if total else 0.0
+
+
+def longer_share(lengths: np.ndarray, seq_len: int) -> float:
+    """The share of a stream's documents longer than `seq_len` (which no row holds whole)."""
+    return float((lengths > seq_len).mean()) if len(lengths) else 0.0
+
+
+def mixture_seq_len(
+    samples: dict[str, np.ndarray], weights: dict[str, float], fit: float = FIT
+) -> dict:
+    """One seq_len for the whole mixture at its weights (token shares): the shortest power of
+    two (at least MIN_SEQ_LEN) whose rows hold `fit` (99%) of the mixture's documents whole.
+
+    The mixture is mixed by tokens, so per token it takes w_s / mean_s documents from stream
+    s: a stream of long documents at a small weight contributes few of them. The share of the
+    mixture's documents longer than L is then sum_s d_s * longer_s(L) / sum_s d_s with
+    d_s = w_s / mean_s. (Per stream, each p99 names its own length, and the longest stream's
+    sets the row for everything, however small its weight.) `curve` shows, at each power of
+    two around the recommendation, that share and the share of the mixture's tokens past the
+    first L of their document (cut_share), so a shorter row's cost can be read off: a long
+    row costs attention per token, and packing (bfd) fills it with short documents either way.
+    """
+    live = {n: a for n, a in samples.items() if len(a) and a.sum() and weights.get(n, 0) > 0}
+    if not live:
+        return {"seq_len": None, "fit": fit, "curve": {}, "per_stream": {}, "weights": {}}
+    total_w = sum(weights[n] for n in live)
+    w = {n: weights[n] / total_w for n in live}
+    per_token = {n: w[n] / float(a.mean()) for n, a in live.items()}
+    docs = sum(per_token.values())
+
+    def longer(L: int) -> float:
+        return sum(per_token[n] / docs * longer_share(a, L) for n, a in live.items())
+
+    def cut(L: int) -> float:
+        return sum(w[n] * cut_share(a, L) for n, a in live.items())
+
+    longest = max(int(a.max()) for a in live.values())
+    L = MIN_SEQ_LEN
+    while longer(L) > 1 - fit and longest > L:
+        L *= 2
+    lows = [L >> k for k in (3, 2, 1) if (L >> k) >= MIN_SEQ_LEN]
+    return {
+        "seq_len": L,
+        "fit": fit,
+        "curve": {n: {"docs_longer": longer(n), "tokens_cut": cut(n)} for n in [*lows, L, 2 * L]},
+        "per_stream": {
+            n: {"docs_longer": longer_share(a, L), "tokens_cut": cut_share(a, L)}
+            for n, a in live.items()
+        },
+        "weights": w,
+        "doc_share": {n: v / docs for n, v in per_token.items()},
+    }
+
+
+@dataclass
+class StreamCount:
+    """One pass over a stream: its records, the good documents and their tokens (with BOS/EOS,
+    as the packer gets them), and the tokens packing keeps under `packing.overflow`."""
+
+    records: int = 0
+    docs: int = 0
+    bad: int = 0
+    tokens: int = 0
+    kept_tokens: int = 0
+
+
+def count_corpus(cfg: Config, on_reject: Callable[[Reject], None]) -> dict[str, StreamCount]:
+    """Read and tokenize every record of every stream once (in this process), counting.
+
+    Bad records go to `on_reject`, in read order; the stream's `repeat` and `max_tokens` are
+    left to `supply`, so a count is one pass over the files."""
+    L, overflow = cfg.seq_len, cfg.packing.overflow
+    once = {n: s.model_copy(update={"repeat": 1, "max_tokens": None})
+            for n, s in cfg.streams.items()}  # fmt: skip
+    one_pass = cfg.model_copy(update={"on_error": "skip", "streams": once})
+    out = {}
+    for i, name in enumerate(cfg.streams):
+        sd = DocSource(name, i, one_pass, iter_blocks_local, on_reject)
+        kept = 0
+        for doc in sd:
+            n = len(doc)
+            kept += (
+                n if overflow == "split" else min(n, L) if overflow == "truncate" else n * (n <= L)
+            )
+        c = sd.counters
+        out[name] = StreamCount(c.docs + c.skipped, c.docs, c.skipped, c.tokens, kept)
+    return out
+
+
+def supply(cfg: Config, counts: dict[str, StreamCount]) -> dict:
+    """How many global steps the counted data makes at the configured weights.
+
+    A step holds at most G x L tokens (global_batch_size x seq_len). Mixed by token weight, a
+    stream of T kept tokens at weight w lasts T / (w G L) steps: `pass_steps`. One epoch of
+    the mixture ends when its first stream has been read once: `epoch_steps`, the smallest of
+    them. Over the whole run each stream supplies `repeat` passes (at most `max_tokens`):
+    with `on_exhausted: stop` the data ends when the first stream runs dry (`run_steps`); with
+    `renormalize` its weight goes to the others and the data ends when all have run dry, every
+    kept token used. These are full rows; the padding that packing leaves in a row (a few %
+    with bfd) stretches the same tokens over as many more steps."""
+    w = cfg.weights
+    per_step = cfg.global_batch_size * cfg.seq_len
+    total = {}
+    for name, c in counts.items():
+        s = cfg.streams[name]
+        whole = c.kept_tokens * s.repeat
+        total[name] = whole if s.max_tokens is None else min(whole, s.max_tokens)
+    pass_steps = {n: c.kept_tokens / (w[n] * per_step) for n, c in counts.items()}
+    run_steps = {n: t / (w[n] * per_step) for n, t in total.items()}
+    first = min(pass_steps, key=lambda n: pass_steps[n])
+    dry = min(run_steps, key=lambda n: run_steps[n])
+    stop = cfg.mixing.on_exhausted == "stop"
+    run = run_steps[dry] if stop else sum(total.values()) / per_step
+    return {
+        "tokens_per_step": per_step,
+        "weights": w,
+        "pass_steps": {n: math.floor(v) for n, v in pass_steps.items()},
+        "epoch_steps": math.floor(pass_steps[first]),
+        "epoch_ends_with": first,
+        "run_steps": math.floor(run),
+        "first_dry": dry,
+    }
+
+
+def text_histogram(hist: dict, width: int = 40) -> list[str]:
+    counts, edges = hist["counts"], hist["edges"]
+    peak = max(counts) or 1
+    return [
+        f"{edges[i]:>8}-{edges[i + 1] - 1:<8} {'#' * round(width * c / peak):<{width}} {c}"
+        for i, c in enumerate(counts)
+    ]
+
+
+def scan(cfg: Config, vocab: int | None = None) -> Iterator[Reject]:
+    """Every bad record of every stream, in file order.
+
+    With `vocab` (the tokenizer's vocabulary size), token-id documents (`tokens_field`,
+    exports) are also checked against it, as the export's tokenizing step does."""
+    for i, name in enumerate(cfg.streams):
+        sd = DocSource(name, i, cfg, iter_blocks_local)
+        files = sd.files
+        for per_file in sd.pieces():
+            for doc_id, value, err in iter_records(Unit(0, tuple(per_file)), sd.stream):
+                if err is None and vocab is not None:
+                    err = _outside_vocab(value, vocab)
+                if err is not None:
+                    rec = doc_id & 0xFFFFFFFF
+                    where = None if rec == WHOLE_FILE else rec
+                    yield Reject(name, files[doc_id >> 32], where, err)
+
+
+def _outside_vocab(value, vocab: int) -> str | None:
+    """The reject reason of a token-id document with an id the tokenizer does not have."""
+    if not isinstance(value, tuple) or not isinstance(value[0], np.ndarray) or not value[0].size:
+        return None  # text (or a chat record): the tokenizer makes its ids
+    top = int(value[0].max())
+    return (
+        f"token id {top} is outside the tokenizer's vocabulary (size {vocab})"
+        if top >= vocab
+        else None
+    )

@@ -1,0 +1,156 @@
+"""A warm tokenizer pool: named, detached Ray actors that outlive one export.
+
+Ray Data runs a job's tasks in that job's own worker processes. Every export against a
+running cluster (`--address`) is a new job, so its workers start cold: each imports ray,
+Ray Data, pyarrow and the pipeline and loads the tokenizer, ~4 CPU-seconds per worker here,
+and on 2 cores the first block from the workers came 7 s after Ray was connected. The
+hand-written script a user compares us with forks its workers with the tokenizer already in
+memory.
+
+When `tokenmill export` joins a running cluster (`--address`, RAY_ADDRESS; `--pool 0` opts
+out), or with `--pool N`, units go instead to actors (by default as many as the cluster has
+CPUs) named `tokenmill-tokenize-<code>-<i>` in the `tokenmill` namespace, created by the first
+export that asks and kept for `idle_s` seconds after their last unit (then they exit and give
+their memory back). Not with a private local Ray: it ends with the export. A later export
+finds them warm: imports done, tokenizer loaded. `<code>` is a digest of the pipeline's source
+files, so an export never uses workers that run other code than its own.
+
+The blocks are the same as Ray Data's (the same `tokenize_unit_json` body, one block per
+unit, in unit order), so exports are byte-identical either way.
+
+Trade-off: the actors reserve no CPUs. Reserving one each would keep Ray Data tasks of every
+other job (a plain export, a service) waiting until the pool idled out; unreserved, an idle
+pool costs nothing but memory, and a busy one shares the cores with whatever else runs.
+Size it to the cores it should use (`--pool N`).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import pyarrow as pa
+
+from pipeline.config import REVEAL_SECRETS, StreamConfig, TokenizerConfig
+from pipeline.read.reading import Executor, Prefetcher, Unit, tokenize_unit_json
+
+NAMESPACE = "tokenmill"
+IN_FLIGHT_PER_ACTOR = 2  # units queued per actor: one running, one waiting
+
+
+@functools.cache
+def code_digest() -> str:
+    """A digest of this package's source: actors of other code are never used."""
+    h = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        h.update(path.relative_to(Path(__file__).parent).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+class TokenizeWorker:
+    """One warm process: tokenizes units, exits after `idle_s` seconds without one.
+
+    Threads: Ray runs the actor's calls one at a time (no concurrency groups), and its idle
+    thread only reads `last`, a float each call replaces whole (a stale read costs one more
+    sleep, never an early exit: it is written before and after every unit). The tokenizer
+    is the process-wide `load_tokenizer` one, keyed by the tokenizer file's content, so a
+    file rewritten between two exports is not encoded with the old one.
+    """
+
+    def __init__(self, idle_s: float):
+        self.idle_s = idle_s
+        self.last = time.monotonic()
+        threading.Thread(target=self._exit_when_idle, daemon=True).start()
+
+    def _exit_when_idle(self) -> None:
+        while time.monotonic() - self.last < self.idle_s:
+            time.sleep(min(5.0, self.idle_s))
+        os._exit(0)  # detached: nothing else ends it; Ray frees the name and the CPU
+
+    def ready(self) -> int:
+        """Keep warm a while longer; the process id (a test checks it is reused)."""
+        self.last = time.monotonic()
+        return os.getpid()
+
+    def tokenize(self, unit: str, stream: dict, tokenizer: dict) -> pa.Table:
+        self.last = time.monotonic()
+        try:
+            return tokenize_unit_json(unit, stream, tokenizer)
+        finally:
+            self.last = time.monotonic()
+
+
+def _actor(i: int, idle_s: float):
+    import ray
+
+    # No CPUs reserved (see module), spread over the nodes as Ray Data's tasks would be.
+    cls = ray.remote(num_cpus=0, max_restarts=0)(TokenizeWorker)
+    return cls.options(
+        name=f"tokenmill-tokenize-{code_digest()}-{i}",
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        scheduling_strategy="SPREAD",
+    ).remote(idle_s)
+
+
+def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig,
+                 size: int | None, idle_s: float, ready: Future | None) -> Iterator[pa.Table]:  # fmt: skip
+    if ready is not None:
+        ready.result()  # Ray connects in the background (service/cluster.py)
+    import ray
+
+    if not units:
+        return
+    if size is None:  # as many as the cluster has CPUs, as Ray Data would use
+        size = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    size = max(1, min(size, len(units)))  # an actor without a unit would only cost a process
+    actors = [_actor(i, idle_s) for i in range(size)]
+    stream_json = stream.model_dump(mode="json", context=REVEAL_SECRETS)
+    tok_json = tok_cfg.model_dump(mode="json")
+
+    def submit(k: int):
+        actor = actors[k % size]
+        return actor.tokenize.remote(units[k].to_json(), stream_json, tok_json)
+
+    pending: collections.deque = collections.deque()
+    nxt = 0
+    for k in range(len(units)):
+        while nxt < len(units) and nxt < k + size * IN_FLIGHT_PER_ACTOR:
+            pending.append(submit(nxt))
+            nxt += 1
+        ref = pending.popleft()
+        try:
+            yield ray.get(ref)
+        except ray.exceptions.RayActorError:
+            # An actor idled out (or died) between lookup and call: a new one does the unit.
+            actors[k % size] = _actor(k % size, idle_s)
+            yield ray.get(submit(k))
+
+
+class PoolExecutor:
+    """An executor over a warm pool of `size` tokenizer actors (None: the cluster's CPUs; see
+    module); with `ready`, its executions wait for Ray to be connected."""
+
+    startup_s = 1.0  # to its first block, for the head start (warm: 1.1-1.5 s on 8 MB units)
+
+    def __init__(self, size: int | None, idle_s: float = 300.0, ready: Future | None = None):
+        self.size, self.idle_s, self.ready = size, idle_s, ready
+
+    def __call__(self, units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig):
+        blocks = functools.partial(
+            _pool_blocks, units, stream, tok_cfg, self.size, self.idle_s, self.ready
+        )
+        return Prefetcher(blocks, 2)
+
+
+def pool_executor(size: int | None, idle_s: float = 300.0, ready: Future | None = None) -> Executor:
+    return PoolExecutor(size, idle_s, ready)

@@ -1,0 +1,532 @@
+"""One stream's tokenized documents, in their deterministic order, across epochs.
+
+Per epoch: the stream's files are cut into pieces, the pieces put in a seeded order across all
+files (shuffle.piece_order), grouped into units in that order, and read and tokenized by an
+executor (Ray Data, with or without a head start, or in-process for `check` and tests), which
+hands blocks back in unit order whatever the workers' timing. This stage owns the document
+order, so the interleave of open pieces happens here (shuffle.Interleave): its schedule is a
+function of the seed, the epoch, the draw count and the pieces' row counts, never of when a
+block arrived. The windowed document shuffle comes next, in its own stage
+(shuffle.WindowShuffle). Bad records are handled here, in stream order, so the error raised
+(`on_error: fail`) or the rejects written (`skip`) are the same on every run.
+
+`shuffle.pieces: 0` or `shuffle.files: false` read as before issue 26: files in a seeded order
+(or their own), each file's pieces in order, one after another.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.config import Config
+from pipeline.read.access import WHOLE_FILE, Access, Piece
+from pipeline.read.reading import Executor, Unit, group_units
+from pipeline.read.sources import data_files, plan_pieces
+from pipeline.stages.shuffle import Interleave, PieceRows, by_piece, file_order, piece_order
+from pipeline.stages.stage import Doc
+from pipeline.tokenize.engines import BACKEND_NAMES
+from wire.arrays import valid, view
+
+
+class BadRecordError(ValueError):
+    """A bad record under `on_error: fail`; the message names stream, file and record."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourcePos:
+    """A read position in one stream, with the stream's counters as of that position.
+
+    (`unit`, `row`) is the next row to read in epoch `epoch`'s units. Resuming there re-reads
+    the rest of one unit (a block), never the prefix of the epoch.
+    """
+
+    epoch: int = 0
+    unit: int = 0
+    row: int = 0
+    docs: int = 0
+    tokens: int = 0
+    skipped: int = 0
+
+    def to_json(self) -> list[int]:
+        return [self.epoch, self.unit, self.row, self.docs, self.tokens, self.skipped]
+
+    @staticmethod
+    def from_json(v: list[int]) -> SourcePos:
+        return SourcePos(*(int(x) for x in v))
+
+
+@dataclass(frozen=True, slots=True)
+class OpenPos:
+    """Where an interleaved stream stands (`shuffle.pieces` > 0): `pos` holds the epoch, the
+    next piece to open (as `unit`), the rows drawn in the epoch (as `row`) and the counters;
+    the open pieces are `ords`, with `done` rows drawn of each. Positions only: a resume
+    re-reads the open pieces and draws on."""
+
+    pos: SourcePos
+    ords: tuple[int, ...] = ()
+    done: tuple[int, ...] = ()
+
+    @property
+    def epoch(self) -> int:
+        return self.pos.epoch
+
+    @property
+    def open(self) -> list[list[int]]:
+        """[[piece ordinal, rows drawn], ...] (the state's OPEN)."""
+        return [[o, d] for o, d in zip(self.ords, self.done, strict=True)]
+
+
+# DocSource state keys
+POSITION = "position"  # SourcePos.to_json(); interleaved: (epoch, next piece, draws, counters)
+# The last record read: (epoch, unit, row), interleaved (epoch, draw, 0); rejects up to it were
+# reported.
+REPORTED = "reported"
+OPEN = "open"  # interleaved only: [[piece ordinal, rows drawn], ...] of the open pieces
+
+
+@dataclass
+class StreamCounters:
+    docs: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    epochs_started: int = 0
+    capped: bool = False
+    # tokens read per tokenizer backend (engines.BACKEND_NAMES); this run only, not state
+    backend_tokens: list[int] = field(default_factory=lambda: [0] * len(BACKEND_NAMES))
+    lengths: list[int] = field(default_factory=list, repr=False)  # sampled doc lengths
+
+
+@dataclass(frozen=True)
+class Reject:
+    stream: str
+    file: str
+    record: int | None
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {
+            "stream": self.stream,
+            "file": self.file,
+            "record": self.record,
+            "reason": self.reason,
+        }
+
+
+class DocSource:
+    """One stream's good documents in their shuffled order: `repeat` epochs, stopping early at
+    `max_tokens`. A stage (pipeline/stages/stage.py): each doc's `cursor` is where the stream stood
+    before it: an OpenPos when pieces are interleaved, else a SourcePos (read order).
+
+    Reading runs ahead in the executor (Ray Data or in-process); `start()` begins it before
+    the first document is asked for, so that every stream of a feed reads concurrently.
+    """
+
+    LENGTH_SAMPLE = 100_000  # doc lengths kept for the length distribution
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        cfg: Config,
+        executor: Executor,
+        on_reject: Callable[[Reject], None] | None = None,
+        first_executor: Executor | None = None,
+    ):
+        self.name, self.index, self.cfg = name, index, cfg
+        self.stream = cfg.streams[name]
+        self.executor = executor
+        self.first_executor = first_executor or executor  # the read `start()` begins
+        self.on_reject = on_reject
+        self.counters = StreamCounters()
+        self._pieces: list[list[Piece]] | None = None
+        self._files: list[str] | None = None
+        self._early: Iterator[pa.Table] | None = None
+        self._next_epoch: tuple[int, Iterator[pa.Table]] | None = None
+        self._current: Iterator[pa.Table] | None = None
+        self._rows: Iterator[Doc] | None = None  # the current epoch's good documents
+        self.start_pos = self.pos = SourcePos()
+        self.done = False
+        # Rejects at read positions up to this mark were reported (also before a resume).
+        self.reported: tuple[int, ...] = (-1, -1, -1)
+        self.read_mark = self.reported
+        self.first_block_at: float | None = None  # time.monotonic() of the first block in
+        self.first_reads: Iterator[pa.Table] | None = None
+        # Pieces in a seeded order across files, interleaved (shuffle.py); else read order.
+        self.interleaved = cfg.shuffle.interleaved
+        self._open0: tuple[tuple[int, int], ...] = ()  # the open pieces at `start_pos`
+        self._il: Interleave | None = None  # the current epoch's schedule, while it is read
+        self._orders: dict[int, tuple[list[Piece], list[int]]] = {}  # per epoch, see _order
+
+    # -- state (pipeline/stages/stage.py) ------------------------------------------------------------
+
+    def get_state(self, at: SourcePos | OpenPos | None = None) -> dict:
+        if not self.interleaved:
+            assert not isinstance(at, OpenPos)
+            return {POSITION: (at or self.pos).to_json(), REPORTED: list(self.read_mark)}
+        if at is None:
+            if self._il is None:
+                ords, done = (tuple(p[k] for p in self._open0) for k in (0, 1))
+                at = OpenPos(self.pos, ords, done)
+            else:
+                at = OpenPos(self.pos, *self._il.snapshot()[2:])
+        assert isinstance(at, OpenPos)
+        return {POSITION: at.pos.to_json(), REPORTED: list(self.read_mark), OPEN: at.open}
+
+    def set_state(self, state: dict) -> None:
+        assert self._early is None and self._rows is None, "set_state after reading began"
+        if self.interleaved and OPEN not in state:
+            # Written by the shuffle before issue 26 (pieces in file order): that run goes on
+            # exactly as it began, in that order, for the rest of its epochs.
+            logging.getLogger("tokenmill").warning(
+                "stream %r: the resume state reads pieces in file order (written before "
+                "pieces were interleaved); the run continues in that order",
+                self.name,
+            )
+            self.interleaved, self._pieces = False, None  # pieces of the read's size
+        elif not self.interleaved and OPEN in state:
+            how = "files in order" if not self.cfg.shuffle.files else "shuffle.pieces: 0"
+            raise ValueError(
+                f"stream {self.name!r}: the resume state interleaves pieces (shuffle.pieces > 0)"
+                f" but this config reads them one at a time ({how}); resume with the shuffle "
+                "settings that wrote the state"
+            )
+        if self.interleaved:
+            self._open0 = _open_pieces(state[OPEN], self.name)
+        self.start_pos = self.pos = SourcePos.from_json(state[POSITION])
+        self.reported = self.read_mark = tuple(state[REPORTED])
+        c, cap = self.counters, self.stream.max_tokens
+        c.docs, c.tokens, c.skipped = self.pos.docs, self.pos.tokens, self.pos.skipped
+        c.epochs_started = min(self.pos.epoch + 1, self.stream.repeat)
+        c.capped = cap is not None and c.tokens >= cap
+        self.done = self.pos.epoch >= self.stream.repeat or c.capped
+
+    def start(self) -> None:
+        """Begin reading now (the Ray executor starts work on construction)."""
+        if self._early is None and not self.done:
+            c = self.start_pos
+            if self.interleaved:
+                units = self._plan(c.epoch, self._open0, c.unit)[0]
+            else:
+                units = self.units(c.epoch)[c.unit :]
+            self._early = self.first_executor(units, self.stream, self.cfg.tokenizer)
+            self.first_reads = self._early  # kept for its timings (Feed.summary)
+
+    def close(self) -> None:
+        """Stop every read this stream started (current, early and read-ahead executions)."""
+        for blocks in (self._current, self._early, self._next_epoch and self._next_epoch[1]):
+            close = getattr(blocks, "close", None)
+            if close is not None:
+                close()
+        self._current = self._early = self._next_epoch = None
+
+    def _blocks(self, epoch: int, unit: int) -> Iterator[pa.Table]:
+        c = self.start_pos
+        if self._early is not None and (epoch, unit) == (c.epoch, c.unit):
+            blocks, self._early = self._early, None
+        elif self._next_epoch is not None and self._next_epoch[0] == epoch and unit == 0:
+            blocks, self._next_epoch = self._next_epoch[1], None
+        else:
+            blocks = self.executor(self.units(epoch)[unit:], self.stream, self.cfg.tokenizer)
+        self._read_ahead(epoch)
+        self._current = blocks
+        return blocks
+
+    def _interleaved_blocks(self, epoch: int, units: list[Unit]) -> Iterator[pa.Table]:
+        """The blocks of `units`, the read of `epoch` from where the stream stands."""
+        if self._early is not None and epoch == self.start_pos.epoch:
+            blocks, self._early = self._early, None
+        elif self._next_epoch is not None and self._next_epoch[0] == epoch:
+            blocks, self._next_epoch = self._next_epoch[1], None
+        else:
+            blocks = self.executor(units, self.stream, self.cfg.tokenizer)
+        self._read_ahead(epoch)
+        self._current = blocks
+        return blocks
+
+    def _read_ahead(self, epoch: int) -> None:
+        # Start reading the next epoch now, so the workers do not idle at the epoch boundary
+        # while this epoch's last blocks are packed (both executions are bounded prefetchers).
+        # Not under max_tokens: the cap may well end the stream within this epoch.
+        ahead = epoch + 1 < self.stream.repeat and self.stream.max_tokens is None
+        if ahead and self._next_epoch is None:
+            self._next_epoch = (
+                epoch + 1,
+                self.executor(self.units(epoch + 1), self.stream, self.cfg.tokenizer),
+            )
+
+    @property
+    def files(self) -> list[str]:
+        """The sorted file list that `file_index` refers to (MDS: shards, not indexes)."""
+        if self._files is None:
+            access = Access.of(self.stream)
+            assert self.stream.format is not None  # load_config resolves every stream's format
+            self._files = data_files(list(self.stream.paths), self.stream.format, access)
+        return self._files
+
+    def pieces(self) -> list[list[Piece]]:
+        if self._pieces is None:
+            read, shuffle = self.cfg.read, self.cfg.shuffle
+            assert self.stream.format is not None  # load_config resolves every stream's format
+            size = read.piece_bytes
+            if self.interleaved:  # finer pieces mix better for the same memory (shuffle.py)
+                size = min(size, shuffle.piece_bytes)
+            self._pieces = plan_pieces(
+                self.stream.paths,
+                self.stream.format,
+                size,
+                read.max_record_bytes,
+                Access.of(self.stream),
+            )
+        return self._pieces
+
+    def units(self, epoch: int) -> list[Unit]:
+        """The read units of a whole epoch, in the order they are read."""
+        if self.interleaved:
+            return self._plan(epoch, (), 0)[0]
+        per_file = self.pieces()
+        order = file_order(len(per_file), self.cfg.seed, self.name, epoch, self.cfg.shuffle.files)
+        flat = [p for i in order for p in per_file[i]]
+        # Only the first epoch ramps up from small units (for the first batch); later epochs
+        # are read ahead (see `_blocks`), so their units are full size from the start.
+        read = self.cfg.read
+        return group_units(
+            flat, read.block_bytes, read.first_block_bytes if epoch == 0 else read.block_bytes
+        )
+
+    def _order(self, epoch: int) -> tuple[list[Piece], list[int]]:
+        """The epoch's pieces in their seeded order (shuffle.piece_order over every file's
+        pieces), and each one's end: the first record of the next piece of its file, or
+        WHOLE_FILE (a piece holds records [first_record, end))."""
+        if epoch not in self._orders:
+            flat: list[Piece] = []
+            ends: list[int] = []
+            for per_file in self.pieces():
+                flat += per_file
+                ends += [p.first_record for p in per_file[1:]] + [WHOLE_FILE]
+            perm = piece_order(len(flat), self.cfg.seed, self.name, epoch)
+            for old in [e for e in self._orders if e < epoch - 1]:
+                del self._orders[old]  # the current epoch and the one read ahead are kept
+            self._orders[epoch] = ([flat[i] for i in perm], [ends[i] for i in perm])
+        return self._orders[epoch]
+
+    def _plan(
+        self, epoch: int, open_pieces: tuple[tuple[int, int], ...], next_piece: int
+    ) -> tuple[list[Unit], list[list[int]]]:
+        """The units that read `epoch` from a position: the open pieces (re-read on a
+        resume), then every piece from `next_piece` on; and each unit's piece ordinals."""
+        order, _ = self._order(epoch)
+        late = [o for o, _ in open_pieces if o >= min(next_piece, len(order))]
+        if late:
+            raise ValueError(
+                f"resume state: stream {self.name!r}: open piece {late[0]} was not opened yet "
+                f"(next piece {next_piece}, {len(order)} pieces in epoch {epoch}): a state of "
+                "other files or settings?"
+            )
+        todo = [o for o, _ in open_pieces] + list(range(next_piece, len(order)))
+        read = self.cfg.read
+        first = read.first_block_bytes if epoch == 0 else read.block_bytes  # as `units`
+        units = group_units([order[o] for o in todo], read.block_bytes, first)
+        ords, at = [], 0
+        for unit in units:
+            ords.append(todo[at : at + len(unit.pieces)])
+            at += len(unit.pieces)
+        return units, ords
+
+    def __iter__(self) -> DocSource:
+        return self
+
+    def __next__(self) -> Doc:
+        while not self.done:
+            if self._rows is None:
+                p = self.pos
+                self.counters.epochs_started = p.epoch + 1
+                if self.interleaved:
+                    self._rows = self._interleaved_rows(p.epoch)
+                else:
+                    self._rows = self._good_rows(p.epoch, p.unit, p.row)
+            doc = next(self._rows, None)
+            if doc is not None:
+                return doc
+            self._rows, self._il, self._open0 = None, None, ()
+            c = self.counters
+            self.done = c.capped or self.pos.epoch + 1 >= self.stream.repeat
+            self.pos = SourcePos(self.pos.epoch + 1, 0, 0, c.docs, c.tokens, c.skipped)
+        raise StopIteration
+
+    def _good_rows(self, epoch: int, unit0: int, row0: int) -> Iterator[Doc]:
+        """Good documents in read order from read position (unit0, row0); rejects handled."""
+        cap = self.stream.max_tokens
+        c = self.counters
+        unit, row = unit0, 0
+        for block in self._blocks(epoch, unit0):
+            self.first_block_at = self.first_block_at or time.monotonic()
+            for record_batch in block.to_batches():
+                batch = _Batch(record_batch)
+                units, ids, offsets, bad = batch.units, batch.ids, batch.offsets, batch.bad
+                per_backend = c.backend_tokens
+                for i in range(len(ids)):
+                    if units[i] != unit:
+                        unit, row = int(units[i]), 0
+                    here, row = row, row + 1
+                    if unit == unit0 and here < row0:
+                        continue  # before the resume point
+                    mark = (epoch, unit, here)
+                    if bad is not None and bad[i]:
+                        self._reject(int(ids[i]), batch.errors[i].as_py(),
+                                     report=mark > self.reported)  # fmt: skip
+                        self.read_mark = max(self.read_mark, mark)
+                        self.pos = SourcePos(epoch, unit, row, c.docs, c.tokens, c.skipped)
+                        continue
+                    self.read_mark = max(self.read_mark, mark)
+                    a, b = offsets[i], offsets[i + 1]
+                    before = SourcePos(epoch, unit, here, c.docs, c.tokens, c.skipped)
+                    c.docs += 1
+                    c.tokens += int(b - a)
+                    per_backend[batch.backends[i]] += int(b - a)
+                    if len(c.lengths) < self.LENGTH_SAMPLE:
+                        c.lengths.append(int(b - a))
+                    self.pos = SourcePos(epoch, unit, row, c.docs, c.tokens, c.skipped)
+                    yield Doc(self.index, int(ids[i]), batch.values[a:b], batch.loss(i), before)
+                    if cap is not None and c.tokens >= cap:
+                        c.capped = True
+                        return
+
+    def _interleaved_rows(self, epoch: int) -> Iterator[Doc]:
+        """Good documents of `epoch` from the current position, its open pieces interleaved by
+        shuffle.Interleave; rejects handled in that order. Each document's cursor is the
+        OpenPos just before its draw."""
+        cap, c, p = self.stream.max_tokens, self.counters, self.pos
+        order, _ = self._order(epoch)
+        shuffle, resumed = self.cfg.shuffle, self._open0
+        il = Interleave(shuffle.pieces, self.cfg.seed, self.name, epoch, len(order), p.unit,
+                        p.row, resumed)  # fmt: skip
+        self._il = il
+        units, ords = self._plan(epoch, resumed, p.unit)
+        pieces = self._piece_rows(epoch, self._interleaved_blocks(epoch, units), units, ords)
+        ready: dict[int, list] = {}  # pieces read, not yet open (the rest of one unit at most)
+        slots: dict[int, PieceRows] = {}  # the open pieces' rows
+        per_backend = c.backend_tokens
+        while True:
+            want = il.to_open()
+            while want is not None:
+                while want not in ready:
+                    got = next(pieces, None)
+                    assert got is not None, f"piece {want} of epoch {epoch} was never read"
+                    ready[got[0]] = got[1]
+                rows = PieceRows(ready.pop(want))
+                drawn = il.opened(want, rows.n)
+                if drawn is not None:  # rows to draw (a resumed piece: after those drawn)
+                    slots[want] = rows.skip(drawn)
+                want = il.to_open()
+            if il.finished:
+                return
+            next_piece, draws, ords_now, done_now = il.snapshot()
+            ordinal, row, last = il.draw()
+            batch, i = slots[ordinal].take()
+            if last:
+                del slots[ordinal]
+            mark = (epoch, draws, 0)
+            self.read_mark = max(self.read_mark, mark)
+            if batch.bad is not None and batch.bad[i]:
+                self._reject(
+                    int(batch.ids[i]), batch.errors[i].as_py(), report=mark > self.reported
+                )
+                self.pos = SourcePos(epoch, il.next_piece, il.draws, c.docs, c.tokens, c.skipped)
+                continue
+            before = OpenPos(SourcePos(epoch, next_piece, draws, c.docs, c.tokens, c.skipped),
+                             ords_now, done_now)  # fmt: skip
+            a, b = batch.offsets[i], batch.offsets[i + 1]
+            n = int(b - a)
+            c.docs += 1
+            c.tokens += n
+            per_backend[batch.backends[i]] += n
+            if len(c.lengths) < self.LENGTH_SAMPLE:
+                c.lengths.append(n)
+            self.pos = SourcePos(epoch, il.next_piece, il.draws, c.docs, c.tokens, c.skipped)
+            yield Doc(self.index, int(batch.ids[i]), batch.values[a:b], batch.loss(i), before)
+            if cap is not None and c.tokens >= cap:
+                c.capped = True
+                return
+
+    def _piece_rows(self, epoch: int, blocks: Iterator[pa.Table], units: list[Unit],
+                    ords: list[list[int]]) -> Iterator[tuple[int, list]]:  # fmt: skip
+        """(piece ordinal, its rows as [(batch, first, stop)]) for every piece of `units`, in
+        read order; a unit is split once it is whole (a later unit's rows, or the end)."""
+        order, ends = self._order(epoch)
+        position = {u.index: k for k, u in enumerate(units)}
+        at, parts = 0, list[tuple[_Batch, int, int]]()
+        for table in blocks:
+            self.first_block_at = self.first_block_at or time.monotonic()
+            for record_batch in table.to_batches():
+                if record_batch.num_rows == 0:
+                    continue
+                batch = _Batch(record_batch)
+                u = batch.units
+                cuts = [0, *(np.flatnonzero(u[1:] != u[:-1]) + 1).tolist(), len(u)]
+                for a, z in zip(cuts, cuts[1:], strict=False):
+                    k = position[int(u[a])]
+                    while at < k:
+                        yield from by_piece(ords[at], parts, order, ends)
+                        at, parts = at + 1, []
+                    parts.append((batch, a, z))
+        while at < len(units):
+            yield from by_piece(ords[at], parts, order, ends)
+            at, parts = at + 1, []
+
+    def _reject(self, doc_id: int, reason: str, report: bool = True) -> None:
+        file_index, record = doc_id >> 32, doc_id & 0xFFFFFFFF
+        path = self.files[file_index] if file_index < len(self.files) else f"<file {file_index}>"
+        rec = None if record == WHOLE_FILE else record
+        where = f"{path}" + ("" if rec is None else f", record {rec}")
+        if self.cfg.on_error == "fail":
+            raise BadRecordError(f"stream {self.name!r}: {where}: {reason}")
+        self.counters.skipped += 1
+        if report and self.on_reject is not None:
+            self.on_reject(Reject(self.name, path, rec, reason))
+
+
+def _open_pieces(value, stream: str) -> tuple[tuple[int, int], ...]:
+    """A state's open pieces: [[ordinal, rows drawn], ...], ordinals increasing (they open in
+    order). What a writer produces; anything else is a ValueError naming the stream."""
+    ok = isinstance(value, list) and all(
+        isinstance(pair, list) and len(pair) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
+        for pair in value
+    )  # fmt: skip
+    if ok and all(a[0] < b[0] for a, b in zip(value, value[1:], strict=False)):
+        return tuple((int(o), int(d)) for o, d in value)
+    raise ValueError(
+        f"resume state: stream {stream!r}: {OPEN} must be [[piece, rows drawn], ...] with "
+        f"increasing pieces, got {value!r:.80}"
+    )
+
+
+class _Batch:
+    """One record batch of a block, as numpy views (no copies): what a document is cut from."""
+
+    __slots__ = ("units", "ids", "offsets", "values", "backends", "errors", "bad", "_loss")
+
+    def __init__(self, batch: pa.RecordBatch):
+        self.units = view(batch.column("unit"))
+        self.ids = view(batch.column("doc_id"))
+        toks = batch.column("tokens")
+        self.offsets, self.values = view(toks.offsets), view(toks.values)
+        loss = batch.column("loss")
+        self._loss = None
+        if loss.null_count < len(loss):
+            self._loss = (view(loss.offsets), view(loss.values))
+        self.backends = view(batch.column("backend"))
+        self.errors = batch.column("error")
+        self.bad = valid(self.errors) if self.errors.null_count < len(self.errors) else None
+
+    def loss(self, i: int) -> np.ndarray | None:
+        if self._loss is None:
+            return None
+        offsets, values = self._loss
+        return values[offsets[i] : offsets[i + 1]]

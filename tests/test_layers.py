@@ -1,0 +1,60 @@
+"""The floors check of `./dev lint` (dev-extras/layers.py) passes on the house and fails on an
+upward import or a circle, wherever in a file it stands."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK = ROOT / "dev-extras" / "layers.py"
+
+
+def run(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(CHECK), str(root)], capture_output=True, text=True)
+
+
+def house(tmp_path: Path) -> Path:
+    for top in ("wire", "pipeline", "service", "trainer", "bench"):
+        shutil.copytree(ROOT / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def test_the_house_keeps_its_floors():
+    r = run(ROOT)
+    assert r.returncode == 0, r.stdout
+    assert "no upward import, no circle" in r.stdout
+
+
+def test_an_upward_import_inside_a_function_fails(tmp_path):
+    root = house(tmp_path)
+    cfg = root / "pipeline" / "config.py"
+    cfg.write_text(cfg.read_text() + "\n\ndef _late():\n    from pipeline.feed import Feed\n")
+    r = run(root)
+    assert r.returncode == 1
+    assert (
+        "pipeline/config.py:" in r.stdout
+        and "imports pipeline.feed from a higher floor" in r.stdout
+    )
+    assert "import circle" in r.stdout  # feed imports config: a circle too
+
+
+def test_a_circle_on_one_floor_fails(tmp_path):
+    root = house(tmp_path)
+    shuffle = root / "pipeline" / "stages" / "shuffle.py"
+    shuffle.write_text(shuffle.read_text() + "\nfrom pipeline.stages.documents import DocSource\n")
+    r = run(root)
+    assert r.returncode == 1
+    assert "pipeline.stages.documents -> pipeline.stages.shuffle" in r.stdout
+    assert "pipeline.stages.shuffle -> pipeline.stages.documents" in r.stdout
+
+
+def test_the_wire_imports_nothing_above_it(tmp_path):
+    root = house(tmp_path)
+    proto = root / "wire" / "protocol.py"
+    proto.write_text(
+        proto.read_text()
+        + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from service.cluster import client_address\n"
+    )
+    r = run(root)
+    assert r.returncode == 1 and "wire/protocol.py:" in r.stdout
