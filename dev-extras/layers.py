@@ -22,6 +22,7 @@ FLOORS: list[tuple[str, str]] = [
     ("pipeline.stages", "documents, shuffle, mixing, packing"),
     ("pipeline.state", "resume states, run summaries"),
     ("pipeline.feed", "the stages chained into global steps"),
+    ("pipeline.lanes", "K feeds joined into global steps"),
     ("pipeline.inspect", "stats and provenance over a config"),
     ("pipeline", "the package's face"),
     ("service", "export, serve, the control plane, the CLI"),

@@ -329,6 +329,10 @@ class Config(_Frozen):
     seed: int = 0
     seq_len: Annotated[int, Field(ge=8, le=1 << 20)] = 1024
     global_batch_size: Annotated[int, Field(ge=1)] = 16
+    # Independent feeds that each read, mix and pack their share of every stream and make
+    # their G/K rows of every global step (pipeline/lanes.py). 1: one feed, as always.
+    # The sequence is a function of (config, seed, lanes): changing it is a new sequence.
+    lanes: Annotated[int, Field(ge=1, le=1024)] = 1
     tokenizer: TokenizerConfig = TokenizerConfig()
     packing: PackingConfig = PackingConfig()
     shuffle: ShuffleConfig = ShuffleConfig()
@@ -349,6 +353,15 @@ class Config(_Frozen):
             if not name or not all(c.isalnum() or c in "-_." for c in name):
                 raise ValueError(f"stream name {name!r} must be non-empty [A-Za-z0-9._-]")
         return v
+
+    @model_validator(mode="after")
+    def _lanes_divide_the_step(self) -> Config:
+        if self.global_batch_size % self.lanes:
+            raise ValueError(
+                f"lanes: {self.lanes} must divide global_batch_size {self.global_batch_size} "
+                "(each lane makes G/lanes rows of every step)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _schedule_names_streams(self) -> Config:
@@ -389,6 +402,8 @@ class Config(_Frozen):
             data["tokenizer"]["add_bos"] = False
         if not self.shuffle.interleaved:  # the shuffle before issue 26: its configs' hashes
             del data["shuffle"]["pieces"], data["shuffle"]["piece_bytes"]
+        if data["lanes"] == 1:
+            del data["lanes"]  # one lane is the sequence of configs that had no lanes
         if data["read"]["max_record_bytes"] == MAX_RECORD_BYTES:
             del data["read"]["max_record_bytes"]  # the default keeps older configs' hashes
         for stream in data["streams"].values():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +37,7 @@ from pipeline.state.resume import (
     check_state,
     seal,
 )
-from pipeline.state.summary import RunSummary, summarize
+from pipeline.state.summary import RunSummary, RunTotals, run_totals, summarize
 from pipeline.tokenize.engines import load_tokenizer
 from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
 from wire.schema import build_batch, with_metadata
@@ -57,22 +58,36 @@ class Feed:
         on_reject: Callable[[Reject], None] | None = None,
         state: dict | None = None,
         allow_config_change: bool = False,
+        lane: int | None = None,
     ):
+        """With `cfg.lanes` K > 1 this is lane `lane`: its share of every stream and its
+        G/K rows of every step (pipeline/lanes.py joins the lanes into global steps)."""
+        if lane is None:
+            if cfg.lanes > 1:
+                raise ValueError(
+                    f"the config has lanes: {cfg.lanes}: its steps are made by "
+                    "pipeline.lanes.LanedFeed (a Feed is one lane: pass lane=k)"
+                )
+            lane = 0
+        if not 0 <= lane < cfg.lanes:
+            raise ValueError(f"lane {lane} of {cfg.lanes}")
         self.cfg = cfg
+        self.lane = lane
+        self.step_rows = cfg.global_batch_size // cfg.lanes
         self.names = list(cfg.streams)
         self.rejects: list[Reject] = []
         self.config_hash = cfg.config_hash()
         sink = on_reject or self.rejects.append
-        self.streams = [DocSource(n, i, cfg, executor, sink, first_executor)
+        self.streams = [DocSource(n, i, cfg, executor, sink, first_executor, lane)
                         for i, n in enumerate(self.names)]  # fmt: skip
-        shuffled = {s.name: WindowShuffle(s, cfg.shuffle.window, cfg.seed, s.name)
+        shuffled = {s.name: WindowShuffle(s, cfg.shuffle.window, cfg.seed, s.salt)
                     for s in self.streams}  # fmt: skip
         weights = {n: s.weight for n, s in cfg.streams.items()}
         self.mixer = DeficitMixer(self.names, weights, cfg.mixing.on_exhausted)
         for entry in cfg.schedule:
             self.mixer.schedule(entry.step, entry.weights, source="schedule")
         self.packer = make_packer(cfg.packing.mode, cfg.seq_len, cfg.packing.overflow, shuffled,
-                                  self.mixer, cfg.packing.buffer, ramp_rows=cfg.global_batch_size)  # fmt: skip
+                                  self.mixer, cfg.packing.buffer, ramp_rows=self.step_rows)  # fmt: skip
         self.pad_id = load_tokenizer(cfg.tokenizer).pad_id
         # False: steps in the compact layout (wire/layout.py), as the export writes them.
         self.full_batches = True
@@ -142,7 +157,7 @@ class Feed:
         """The next global step (G rows; the last may be short), or None when the data ends."""
         if self.finished:
             return None
-        G = self.cfg.global_batch_size
+        G = self.step_rows
         self.mixer.begin_step(self.step)
         rows: list[Row] = []
         while len(rows) < G:
@@ -190,6 +205,10 @@ class Feed:
 
     def summary(self) -> RunSummary:
         return summarize(self)
+
+    def totals(self) -> RunTotals:
+        """What was served so far (since step 0, across resumes)."""
+        return run_totals(self)
 
 
 def rank_rows(num_rows: int, rank: int, world_size: int, global_batch_size: int) -> slice:
@@ -253,8 +272,18 @@ def rank_runs(
     return out
 
 
+class Steps(Protocol):
+    """What makes global steps: a `Feed`, or lanes joined (pipeline/lanes.py)."""
+
+    step: int
+
+    def next_step(self) -> pa.RecordBatch | None: ...
+
+    def get_state(self) -> dict: ...
+
+
 def next_steps(
-    feed: Feed, n: int, state_every: int = 0
+    feed: Steps, n: int, state_every: int = 0
 ) -> list[tuple[pa.RecordBatch, dict | None]]:
     """Up to `n` steps, each with the state after it when its number of done steps is a
     multiple of `state_every` (the state a resumed run needs to continue right after it)."""

@@ -26,15 +26,14 @@ import pyarrow.parquet as pq
 
 from pipeline.config import Config
 from pipeline.feed import Feed, next_steps, rank_slice
+from pipeline.lanes import LanedFeed
 from pipeline.read.reading import Executor, iter_blocks_local, ray_executor, with_head_start
-from pipeline.state.resume import check_state
+from pipeline.state.resume import check_laned_state, check_state
 from pipeline.state.summary import (
     ExportReport,
     FirstReads,
     Phases,
     RunSummary,
-    run_totals,
-    summarize,
 )
 from wire.layout import LAYOUTS, compact
 
@@ -161,7 +160,7 @@ class _StepFiles:
         self.last_at = time.monotonic()
         self.first_at = self.first_at or self.last_at
 
-    def rejects(self, feed: Feed) -> None:
+    def rejects(self, feed: Feed | LanedFeed) -> None:
         for rej in feed.rejects:
             self._rejects.write(json.dumps(rej.as_dict()) + "\n")
         self.rejects_written += len(feed.rejects)
@@ -211,7 +210,11 @@ def run_export(
     out.mkdir(parents=True, exist_ok=True)
     begun = time.monotonic()
     if resume is not None:  # fail here, with a clear message, not inside the actor
-        check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change)
+        if cfg.lanes == 1:
+            check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change)
+        else:
+            check_laned_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change,
+                              cfg.packing.mode, cfg.lanes)  # fmt: skip
     connected: list[float | None] = [None]
     if ray_ready is not None:
         ray_ready.add_done_callback(lambda _: connected.__setitem__(0, time.monotonic()))
@@ -219,11 +222,20 @@ def run_export(
     # Workers elsewhere (Ray Data, a warm pool): this process tokenizes until they deliver.
     first = None if executor is iter_blocks_local else with_head_start(executor, ray_ready)
     files = _StepFiles(out, cfg, world_size, fmt, layout)
-    feed = None
+    feed: Feed | LanedFeed | None = None
+    full = layout == "full" or fmt == "mds"  # compact: nothing derivable
     try:
-        feed = Feed(cfg, executor, first, state=resume, allow_config_change=allow_config_change)
-        feed.full_batches = layout == "full" or fmt == "mds"  # compact: nothing derivable
-        at_start = run_totals(feed)  # a resumed feed's counts start at its state's
+        if cfg.lanes == 1:
+            feed = Feed(cfg, executor, first, state=resume, allow_config_change=allow_config_change)
+            feed.full_batches = full
+        else:  # each lane reads with Ray Data in its own actor, or here with --local
+            local = executor is iter_blocks_local
+            if not local and ray_ready is not None:
+                ray_ready.result()
+            feed = LanedFeed(cfg, local=local, state=resume,
+                             allow_config_change=allow_config_change, full_batches=full,
+                             state_every=state_every)  # fmt: skip
+        at_start = feed.totals()  # a resumed feed's counts start at its state's
         feed_started = time.monotonic()
         while steps is None or files.written < steps:
             want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
@@ -235,8 +247,8 @@ def run_export(
                 progress(files.written, files.tokens, time.monotonic() - started)
             if len(batches) < want:
                 break
-        summary = summarize(feed)
-        this_run = run_totals(feed).since(at_start)
+        summary = feed.summary()
+        this_run = feed.totals().since(at_start)
     finally:
         files.close()
         if feed is not None:

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from pipeline.feed import Feed
+from pipeline.lanes import LanedFeed
 from service.window import StepWindow
 from wire.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
 
@@ -21,7 +22,7 @@ from wire.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
 class Producer:
     def __init__(
         self,
-        feed: Feed,
+        feed: Feed | LanedFeed,
         window: StepWindow,
         cond: threading.Condition,
         keep_states: int = 10_000,

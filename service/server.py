@@ -27,8 +27,8 @@ import time
 
 from pipeline.config import Config
 from pipeline.feed import Feed, rank_runs
+from pipeline.lanes import LanedFeed
 from pipeline.state.resume import StateError
-from pipeline.state.summary import summarize
 from service.losses import StreamLosses
 from service.producer import Producer
 from service.telemetry import Telemetry
@@ -123,7 +123,7 @@ class BatchServer:
     def _start_feed(self, state: dict | None, allow_config_change: bool = False) -> None:
         self._install(self._make_feed(state, allow_config_change))
 
-    def _make_feed(self, state: dict | None, allow_config_change: bool = False) -> Feed:
+    def _make_feed(self, state: dict | None, allow_config_change: bool = False) -> Feed | LanedFeed:
         """A Feed at `state`; a state that does not fit raises here, before anything changes.
 
         Reads as an export does: this process tokenizes the first units itself (the head
@@ -135,6 +135,12 @@ class BatchServer:
 
         executor = pool_executor(None) if self.pool else iter_blocks_ray
         try:
+            if self.cfg.lanes > 1:
+                # K lane actors read (Ray Data), mix and pack; this actor joins their rows
+                # and serves them. Every step's state is kept, as a Feed's (the window).
+                return LanedFeed(self.cfg, state=state, allow_config_change=allow_config_change,
+                                 full_batches=False, state_every=1,
+                                 on_reject=self.telemetry.add_reject)  # fmt: skip
             feed = Feed(
                 self.cfg,
                 executor,
@@ -155,7 +161,7 @@ class BatchServer:
                 raise
             raise StateError(f"resume state refused: {type(e).__name__}: {e}") from None
 
-    def _install(self, feed: Feed) -> None:
+    def _install(self, feed: Feed | LanedFeed) -> None:
         # A new sequence (the first, or a resume's seek): ranks that connected to an earlier
         # one are told so when they ask (`get`), instead of waiting for steps that never come.
         self.generation = getattr(self, "generation", -1) + 1
@@ -542,7 +548,7 @@ class BatchServer:
     def metrics(self) -> dict:
         with self._cond:
             self._observe()
-            s = summarize(self.feed)
+            s = self.feed.summary()
             tel = self.telemetry
             tok_rate, row_rate = tel.rates()
             ranks = self.window.rank_view()

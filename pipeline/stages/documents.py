@@ -118,6 +118,28 @@ class Reject:
         }
 
 
+def lane_shares(works: list[int], lanes: int) -> list[int]:
+    """Which lane reads each piece: a balanced, deterministic partition by work (bytes).
+
+    Largest first, each to the lane with the least work so far (ties: the lower lane, then
+    the earlier piece): every lane's work is within one piece of the mean. A pure function of
+    the pieces' sizes and order, so of the files and the config; never of the world size."""
+    if lanes == 1:
+        return [0] * len(works)
+    load = [0] * lanes
+    out = [0] * len(works)
+    for i in sorted(range(len(works)), key=lambda i: (-works[i], i)):
+        lane = min(range(lanes), key=lambda k: (load[k], k))
+        out[i] = lane
+        load[lane] += works[i]
+    return out
+
+
+def _share(total: int, lane: int, lanes: int) -> int:
+    """Lane `lane`'s part of `total` split over `lanes`: the remainder goes to the first."""
+    return total // lanes + (1 if lane < total % lanes else 0)
+
+
 class DocSource:
     """One stream's good documents in their shuffled order: `repeat` epochs, stopping early at
     `max_tokens`. A stage (pipeline/stages/stage.py): each doc's `cursor` is where the stream stood
@@ -137,9 +159,17 @@ class DocSource:
         executor: Executor,
         on_reject: Callable[[Reject], None] | None = None,
         first_executor: Executor | None = None,
+        lane: int = 0,
     ):
         self.name, self.index, self.cfg = name, index, cfg
         self.stream = cfg.streams[name]
+        # Lane `lane` of `cfg.lanes` reads its share of the stream's pieces (`lane_shares`)
+        # and caps at its share of `max_tokens`; its seeded orders are its own (`salt`).
+        # One lane is the stream whole, with the orders it always had.
+        self.lane, self.lanes = lane, cfg.lanes
+        self.salt = name if self.lanes == 1 else f"{name}/lane{lane}"
+        cap = self.stream.max_tokens
+        self.max_tokens = None if cap is None else _share(cap, lane, self.lanes)
         self.executor = executor
         self.first_executor = first_executor or executor  # the read `start()` begins
         self.on_reject = on_reject
@@ -200,7 +230,7 @@ class DocSource:
             self._open0 = _open_pieces(state[OPEN], self.name)
         self.start_pos = self.pos = SourcePos.from_json(state[POSITION])
         self.reported = self.read_mark = tuple(state[REPORTED])
-        c, cap = self.counters, self.stream.max_tokens
+        c, cap = self.counters, self.max_tokens
         c.docs, c.tokens, c.skipped = self.pos.docs, self.pos.tokens, self.pos.skipped
         c.epochs_started = min(self.pos.epoch + 1, self.stream.repeat)
         c.capped = cap is not None and c.tokens >= cap
@@ -253,7 +283,7 @@ class DocSource:
         # Start reading the next epoch now, so the workers do not idle at the epoch boundary
         # while this epoch's last blocks are packed (both executions are bounded prefetchers).
         # Not under max_tokens: the cap may well end the stream within this epoch.
-        ahead = epoch + 1 < self.stream.repeat and self.stream.max_tokens is None
+        ahead = epoch + 1 < self.stream.repeat and self.max_tokens is None
         if ahead and self._next_epoch is None:
             self._next_epoch = (
                 epoch + 1,
@@ -276,21 +306,56 @@ class DocSource:
             size = read.piece_bytes
             if self.interleaved:  # finer pieces mix better for the same memory (shuffle.py)
                 size = min(size, shuffle.piece_bytes)
-            self._pieces = plan_pieces(
-                self.stream.paths,
-                self.stream.format,
-                size,
-                read.max_record_bytes,
-                Access.of(self.stream),
-            )
+            plan = plan_pieces(self.stream.paths, self.stream.format, size,
+                               read.max_record_bytes, Access.of(self.stream))  # fmt: skip
+            pieces = sum(len(per_file) for per_file in plan)
+            if self.lanes > 1 and 0 < pieces < 2 * self.lanes:
+                # Too few pieces to share among the lanes (a small stream): cut finer, to
+                # about two per lane where the format can (JSONL, Arrow; a row group or a
+                # shard stays whole). One lane never re-plans.
+                total = sum(p.work for per_file in plan for p in per_file)
+                finer = max(4 << 10, total // (2 * self.lanes))
+                if finer < size:
+                    plan = plan_pieces(self.stream.paths, self.stream.format, finer,
+                                       read.max_record_bytes, Access.of(self.stream))  # fmt: skip
+            self._pieces = plan
         return self._pieces
+
+    def _lane_of(self) -> list[int]:
+        """Each piece's lane, over every file's pieces in plan order (`lane_shares`)."""
+        flat = [p for per_file in self.pieces() for p in per_file]
+        lanes = lane_shares([p.work for p in flat], self.lanes)
+        if self.lanes > 1 and len(set(lanes)) < self.lanes:
+            raise ValueError(
+                f"stream {self.name!r}: {len(flat)} piece(s) cannot feed {self.lanes} lanes "
+                "(each lane reads whole pieces): use fewer lanes, more files, or a smaller "
+                "read.first_block_bytes / shuffle.piece_bytes"
+            )
+        return lanes
+
+    def _lane_files(self) -> list[list[Piece]]:
+        """Every file's pieces that this lane reads (all of them with one lane)."""
+        if self.lanes == 1:
+            return self.pieces()
+        lanes, at, out = self._lane_of(), 0, []
+        for per_file in self.pieces():
+            out.append([p for i, p in enumerate(per_file) if lanes[at + i] == self.lane])
+            at += len(per_file)
+        return out
+
+    def _lane_only(self, flat: list[Piece], ends: list[int]) -> tuple[list[Piece], list[int]]:
+        """This lane's pieces of the flat plan, each keeping its end in its file."""
+        if self.lanes == 1:
+            return flat, ends
+        mine = [i for i, lane in enumerate(self._lane_of()) if lane == self.lane]
+        return [flat[i] for i in mine], [ends[i] for i in mine]
 
     def units(self, epoch: int) -> list[Unit]:
         """The read units of a whole epoch, in the order they are read."""
         if self.interleaved:
             return self._plan(epoch, (), 0)[0]
-        per_file = self.pieces()
-        order = file_order(len(per_file), self.cfg.seed, self.name, epoch, self.cfg.shuffle.files)
+        per_file = self._lane_files()
+        order = file_order(len(per_file), self.cfg.seed, self.salt, epoch, self.cfg.shuffle.files)
         flat = [p for i in order for p in per_file[i]]
         # Only the first epoch ramps up from small units (for the first batch); later epochs
         # are read ahead (see `_blocks`), so their units are full size from the start.
@@ -309,7 +374,8 @@ class DocSource:
             for per_file in self.pieces():
                 flat += per_file
                 ends += [p.first_record for p in per_file[1:]] + [WHOLE_FILE]
-            perm = piece_order(len(flat), self.cfg.seed, self.name, epoch)
+            flat, ends = self._lane_only(flat, ends)
+            perm = piece_order(len(flat), self.cfg.seed, self.salt, epoch)
             for old in [e for e in self._orders if e < epoch - 1]:
                 del self._orders[old]  # the current epoch and the one read ahead are kept
             self._orders[epoch] = ([flat[i] for i in perm], [ends[i] for i in perm])
@@ -361,7 +427,7 @@ class DocSource:
 
     def _good_rows(self, epoch: int, unit0: int, row0: int) -> Iterator[Doc]:
         """Good documents in read order from read position (unit0, row0); rejects handled."""
-        cap = self.stream.max_tokens
+        cap = self.max_tokens
         c = self.counters
         unit, row = unit0, 0
         for block in self._blocks(epoch, unit0):
@@ -401,10 +467,10 @@ class DocSource:
         """Good documents of `epoch` from the current position, its open pieces interleaved by
         shuffle.Interleave; rejects handled in that order. Each document's cursor is the
         OpenPos just before its draw."""
-        cap, c, p = self.stream.max_tokens, self.counters, self.pos
+        cap, c, p = self.max_tokens, self.counters, self.pos
         order, _ = self._order(epoch)
         shuffle, resumed = self.cfg.shuffle, self._open0
-        il = Interleave(shuffle.pieces, self.cfg.seed, self.name, epoch, len(order), p.unit,
+        il = Interleave(shuffle.pieces, self.cfg.seed, self.salt, epoch, len(order), p.unit,
                         p.row, resumed)  # fmt: skip
         self._il = il
         units, ords = self._plan(epoch, resumed, p.unit)

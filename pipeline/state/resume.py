@@ -77,6 +77,7 @@ REAL_TOKENS = "real_tokens"
 DOCS_EMITTED = "docs_emitted"
 FINISHED = "finished"
 DIGEST = "digest"
+LANES = "lanes"  # a laned feed's state: its lanes' states, in lane order (pipeline/lanes.py)
 
 
 class StateError(ValueError):
@@ -137,6 +138,12 @@ def check_state(
             )
     else:
         logging.getLogger("tokenmill").warning("resuming a version %s state (no digest)", version)
+    if LANES in state:
+        raise StateError(
+            f"resume state holds {len(state[LANES]) if isinstance(state[LANES], list) else '?'} "
+            "lanes and this config has lanes: 1: a run resumes with the lanes it was written "
+            "with (changing lanes is a new sequence)"
+        )
     written = _packing_of(state)
     if packing is not None and written != packing:
         raise StateError(
@@ -165,6 +172,53 @@ def check_state(
             "resuming a state of config %s with config %s", state[CONFIG_HASH], config_hash
         )
     return state
+
+
+def check_laned_state(
+    state, config_hash: str, names: list[str], allow_config_change: bool, packing: str,
+    lanes: int,
+) -> list[dict]:  # fmt: skip
+    """The lanes' states of a laned feed's state (`{version, config_hash, step, lanes: [...],
+    digest}`), each checked as a feed's state; StateError if the state is not whole, has
+    another number of lanes, or its lanes stand at other steps."""
+    if not isinstance(state, dict):
+        raise StateError(f"resume state must be a JSON object, got {type(state).__name__}")
+    if LANES not in state:
+        raise StateError(
+            f"resume state is a single feed's and this config has lanes: {lanes}: a run "
+            "resumes with the lanes it was written with (changing lanes is a new sequence)"
+        )
+    if state.get(VERSION) != STATE_VERSION:
+        raise StateError(
+            f"resume state has version {state.get(VERSION)!r}, expected {STATE_VERSION}"
+        )
+    try:
+        ok = state.get(DIGEST) == digest(state)
+    except (TypeError, ValueError) as e:
+        raise StateError(f"resume state is not plain JSON: {e}") from None
+    if not ok:
+        raise StateError(
+            "resume state digest does not match its content: the state was corrupted or "
+            "edited (states are checked whole; use the file as it was written)"
+        )
+    parts = state[LANES]
+    if not isinstance(parts, list) or len(parts) != lanes:
+        got = len(parts) if isinstance(parts, list) else type(parts).__name__
+        raise StateError(
+            f"resume state has {got} lanes, this config has lanes: {lanes}: a run resumes with "
+            "the lanes it was written with (changing lanes is a new sequence)"
+        )
+    step = _count(state, STEP)
+    out = []
+    for k, part in enumerate(parts):
+        try:
+            part = check_state(part, config_hash, names, allow_config_change, packing)
+        except StateError as e:
+            raise StateError(f"lane {k}: {e}") from None
+        if part[STEP] != step:
+            raise StateError(f"lane {k}: at step {part[STEP]}, the state is at step {step}")
+        out.append(part)
+    return out
 
 
 def _packing_of(state: dict) -> str:

@@ -1,0 +1,437 @@
+"""Lanes: K independent feeds that each make G/K rows of every global step.
+
+    every stream's pieces ──lane_shares──▶ lane 0: read, shuffle, mix, pack ─▶ rows [0, G/K)
+                                          lane 1: …                         ─▶ rows [G/K, 2G/K)
+                                          …
+    global step s = lane 0's step s ‖ lane 1's step s ‖ … (rows in lane order)
+
+A lane is a `Feed` (pipeline/feed.py) over its share of every stream: a balanced partition of
+the stream's pieces by bytes (stages/documents.py `lane_shares`), its own seeded orders, the
+same weights, its own token-exact mixer and packer. Each lane runs in a process of its own (a
+Ray actor, placed with `service.resources`; in-process lanes for `--local`), so mixing and
+packing scale with lanes as tokenizing scales with workers: no process handles every token
+but the one that writes them (an export) or serves them.
+
+- The sequence is a pure function of (config, seed, lanes), never of the world size: rank r
+  of W takes rows [r·G/W, (r+1)·G/W) of each global step, whichever lanes made them. One lane
+  is the sequence a config always had (its hash leaves `lanes: 1` out); changing the number of
+  lanes is a new sequence, as Mosaic's `num_canonical_nodes` is.
+- Mixing stays exact: every lane mixes by tokens with the same weights, within one segment
+  of its targets at every step, so every global prefix that ends at a step is within K
+  segments (K rows' tokens) of each stream's target share.
+- A weight change takes effect at one global step in every lane: the first step no lane has
+  begun (`set_weights`), recorded in each lane's mixture history.
+- End of data: the sequence ends at the first step that some lane cannot make whole; with
+  `drop_last` it ends before that step, else that step is the last, each lane's rows of it
+  in lane order (the one step whose rows a lane may not fill).
+- One resume state: `{version, config_hash, step, lanes: [lane 0's state, …], digest}`, sealed
+  like a feed's (state/resume.py `check_laned_state`); a state with another number of lanes is
+  refused with a named error.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.config import Config, normalize_weights
+from pipeline.feed import Feed, next_steps
+from pipeline.read.reading import iter_blocks_local, iter_blocks_ray, with_head_start
+from pipeline.stages.documents import Reject
+from pipeline.stages.mixing import DeficitMixer
+from pipeline.state.resume import (
+    CONFIG_HASH,
+    DOCS_EMITTED,
+    FEED,
+    LANES,
+    PACKER,
+    REAL_TOKENS,
+    ROWS,
+    STATE_VERSION,
+    STEP,
+    VERSION,
+    check_laned_state,
+    seal,
+)
+from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describe_lengths
+from wire.arrays import from_ipc, to_ipc, view
+from wire.layout import compact, expand
+
+STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane)
+
+
+class LaneError(RuntimeError):
+    """A lane failed (its process died, or its feed raised); the message names the lane."""
+
+
+class LaneWorker:
+    """One lane's feed, in the process that runs it (a Ray actor, or this one)."""
+
+    def __init__(self, cfg_json: dict, lane: int, state: dict | None, allow_config_change: bool,
+                 full_batches: bool, local: bool, ipc: bool):  # fmt: skip
+        cfg = Config.model_validate(cfg_json)
+        executor = iter_blocks_local if local else iter_blocks_ray
+        first = None if local else with_head_start(executor)
+        self.feed = Feed(cfg, executor, first, state=state,
+                         allow_config_change=allow_config_change, lane=lane)  # fmt: skip
+        self.feed.full_batches = full_batches
+        self.ipc = ipc
+
+    def steps(self, n: int, state_every: int) -> tuple[list[tuple[Any, dict | None]], list[Reject]]:
+        """Up to `n` next steps of this lane, each with its state when `state_every` says so,
+        and the rejects met making them."""
+        made = next_steps(self.feed, n, state_every)
+        rejects = list(self.feed.rejects)
+        self.feed.rejects.clear()
+        return [(to_ipc(b) if self.ipc else b, s) for b, s in made], rejects
+
+    def set_weights(self, weights: dict[str, float], step: int) -> int:
+        return self.feed.set_weights(weights, step)
+
+    def state(self) -> dict:
+        """The lane's state now (before its first step: where it starts)."""
+        return self.feed.get_state()
+
+    def summary(self) -> tuple[RunSummary, dict[str, list[int]]]:
+        """The lane's summary, and its sampled document lengths per stream (for the join)."""
+        lengths = {s.name: list(s.counters.lengths) for s in self.feed.streams}
+        return self.feed.summary(), lengths
+
+    def close(self) -> None:
+        self.feed.close()
+
+
+class _Local:
+    """A lane in this process: calls answer at once."""
+
+    def __init__(self, worker: LaneWorker):
+        self.worker = worker
+
+    def call(self, method: str, *args) -> Any:
+        return getattr(self.worker, method)(*args)
+
+    def get(self, handle) -> Any:
+        return handle
+
+    def kill(self) -> None:
+        self.worker.close()
+
+
+class _Actor:
+    """A lane in a Ray actor: calls answer with object refs."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def call(self, method: str, *args) -> Any:
+        return getattr(self.handle, method).remote(*args)
+
+    def get(self, ref) -> Any:
+        import ray
+
+        return ray.get(ref)
+
+    def kill(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):  # a dead lane has nothing left to close
+            ray.get(self.handle.close.remote(), timeout=30)
+        ray.kill(self.handle)
+
+
+class LanedFeed:
+    """The global steps of a config with `lanes` K > 1, joined from K lane feeds.
+
+    The face an export and the batch server use of a `Feed`: `next_step`, `get_state` (at
+    the start, and every `state_every` steps: a lane's state exists only at the steps it was
+    asked for), `set_weights`, `rejects` (or `on_reject`), `mixer` (the global mixture's
+    bookkeeping: its weight changes and what was served; the lanes do the mixing), `totals`,
+    `summary`, `close`. `local`: the lanes run in this process, one after the other
+    (`export --local`, tests); else each in a Ray actor."""
+
+    def __init__(self, cfg: Config, *, local: bool = False, state: dict | None = None,
+                 allow_config_change: bool = False, full_batches: bool = True,
+                 state_every: int = 0,
+                 on_reject: Callable[[Reject], None] | None = None):  # fmt: skip
+        self.cfg = cfg
+        self.names = list(cfg.streams)
+        self.config_hash = cfg.config_hash()
+        self.full_batches = full_batches
+        self.state_every = state_every
+        K = cfg.lanes
+        parts: list[dict | None] = [None] * K
+        self.step = 0
+        self.rows = self.real_tokens = 0
+        self.tokens = np.zeros(len(self.names), dtype=np.int64)
+        self.docs_emitted = np.zeros(len(self.names), dtype=np.int64)
+        if state is not None:
+            checked = check_laned_state(state, self.config_hash, self.names,
+                                        allow_config_change, cfg.packing.mode, K)  # fmt: skip
+            parts = list(checked)
+            self.step = int(state[STEP])
+            for part in checked:
+                f = part[FEED]
+                self.rows += int(f[ROWS])
+                self.real_tokens += int(f[REAL_TOKENS])
+                placed = part[PACKER]["mixer"]["placed"]
+                for i, n in enumerate(self.names):
+                    self.docs_emitted[i] += int(f[DOCS_EMITTED].get(n, 0))
+                    self.tokens[i] += int(placed.get(n, 0))
+        cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
+        # Lanes make steps in the compact layout when this feed does; a step whose lanes
+        # differ in layout (one kept labels it could not derive) is joined in full, then
+        # compacted again (`_join`).
+        args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local)
+                for k in range(K)]  # fmt: skip
+        self.lanes: list[_Local | _Actor]
+        if local:
+            self.lanes = [_Local(LaneWorker(*a)) for a in args]
+        else:
+            import ray
+
+            actor = ray.remote(num_cpus=0, max_restarts=0)(LaneWorker)
+            opts = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
+            self.lanes = [_Actor(actor.options(**opts).remote(*a)) for a in args]
+        self.rejects: list[Reject] = []
+        self.on_reject = on_reject
+        # The batch server calls set_weights from its control thread while its producer
+        # thread makes steps: the lock orders the lanes' calls and guards the bookkeeping.
+        self._lock = threading.RLock()
+        # The global mixture's bookkeeping (never mixes): the same changes as every lane's
+        # mixer, and `placed` what was served, so `scheduled_weights` and `realized` answer
+        # here without asking the lanes.
+        self.mixer = DeficitMixer(self.names, {n: s.weight for n, s in cfg.streams.items()},
+                                  cfg.mixing.on_exhausted)  # fmt: skip
+        for entry in cfg.schedule:
+            self.mixer.schedule(entry.step, entry.weights, source="schedule")
+        if state is not None:
+            self.mixer.set_state(parts[0][PACKER]["mixer"])  # type: ignore[index]
+            if state[CONFIG_HASH] != self.config_hash:
+                self.mixer.schedule(self.step, {n: s.weight for n, s in cfg.streams.items()},
+                                    "resume")  # fmt: skip
+        self.mixer.placed = self.tokens
+        self.mixer.begin_step(self.step)
+        self.finished = False
+        self._ready: collections.deque = collections.deque()
+        self._pending: list | None = None  # the lanes' answers to the chunk asked for ahead
+        self._asked = self.step  # steps asked of every lane: the first step no lane has begun
+        # The state after the last step handed out; at the start, the lanes' own.
+        self._state: dict | None = (
+            self._nest([lane.get(lane.call("state")) for lane in self.lanes])
+            if state_every
+            else None
+        )
+        self.first_step_at: float | None = None
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def next_step(self) -> pa.RecordBatch | None:
+        """The next global step (G rows; the last may be short), or None when the data ends."""
+        while not self._ready and not self.finished:
+            self._fill()
+        if not self._ready:
+            return None
+        with self._lock:
+            batch, self._state = self._ready.popleft()
+            self.step += 1
+            self.mixer.begin_step(self.step)
+            self._count(batch)
+        return batch
+
+    def _ask(self) -> list:
+        # Under the lock: a weight change submitted to the lanes is ordered before or after
+        # the whole chunk in every lane (an actor runs one caller's calls in order).
+        with self._lock:
+            self._asked += STEPS_PER_CALL
+            return [lane.call("steps", STEPS_PER_CALL, self.state_every) for lane in self.lanes]
+
+    def _fill(self) -> None:
+        asked = self._pending if self._pending is not None else self._ask()
+        answers = []
+        for k, (lane, handle) in enumerate(zip(self.lanes, asked, strict=True)):
+            try:
+                answers.append(lane.get(handle))
+            except Exception as e:
+                raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+        # The next chunk is made while this one is joined and written (actors only).
+        self._pending = None if isinstance(self.lanes[0], _Local) else self._ask()
+        for _, rejects in answers:
+            for reject in rejects:
+                if self.on_reject is not None:
+                    self.on_reject(reject)
+                else:
+                    self.rejects.append(reject)
+        made = [steps for steps, _ in answers]
+        per_lane = self.cfg.global_batch_size // self.cfg.lanes
+        for j in range(STEPS_PER_CALL):
+            if any(len(steps) <= j for steps in made):
+                self.finished = True  # a lane has no step here: the sequence ends before it
+                return
+            batches = [self._batch(steps[j][0]) for steps in made]
+            states = [steps[j][1] for steps in made]
+            short = any(b.num_rows < per_lane for b in batches)
+            if short and self.cfg.drop_last:
+                self.finished = True
+                return
+            state = None if any(s is None for s in states) else self._nest(states)
+            self._ready.append((self._join(batches), state))
+            if short:
+                self.finished = True
+                return
+
+    def _batch(self, made) -> pa.RecordBatch:
+        return from_ipc(made) if isinstance(made, bytes) else made
+
+    def _join(self, batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+        """One global step from the lanes' parts, rows in lane order, the first's metadata."""
+        meta = batches[0].schema.metadata
+        if any(not b.schema.equals(batches[0].schema, check_metadata=False) for b in batches):
+            keep_labels = any("labels" in b.schema.names for b in batches)
+            full = pa.concat_batches([expand(b).replace_schema_metadata(None) for b in batches])
+            joined = compact(full, keep_labels=keep_labels)
+        else:
+            joined = pa.concat_batches([b.replace_schema_metadata(None) for b in batches])
+        return joined.replace_schema_metadata(meta)
+
+    def _nest(self, states: list[dict]) -> dict:
+        return seal({VERSION: STATE_VERSION, CONFIG_HASH: self.config_hash,
+                     STEP: int(states[0][STEP]), LANES: states})  # fmt: skip
+
+    def _count(self, batch: pa.RecordBatch) -> None:
+        """What was served: rows, tokens, and per stream its tokens and documents started."""
+        self.first_step_at = self.first_step_at or time.monotonic()
+        lens = batch.column("seq_lens")
+        seg_lens = view(lens.values).astype(np.int64)
+        stream = batch.column("stream").values
+        names = stream.dictionary.to_pylist()
+        idx = np.array([self.names.index(n) for n in names], dtype=np.int64)[view(stream.indices)]
+        starts = view(batch.column("doc_offset").values) == 0
+        self.rows += batch.num_rows
+        self.real_tokens += int(seg_lens.sum())
+        self.tokens += np.bincount(idx, weights=seg_lens, minlength=len(self.names)).astype(
+            np.int64
+        )
+        self.docs_emitted += np.bincount(idx[starts], minlength=len(self.names))
+
+    def get_state(self) -> dict:
+        """The state after the last step handed out: the lanes' states at that step, nested
+        and sealed. Lanes make states only every `state_every` steps (they run ahead)."""
+        if self._state is None or self._state[STEP] != self.step:
+            raise ValueError(
+                f"a laned feed has states every {self.state_every} steps (state_every), not at "
+                f"step {self.step}"
+            )
+        return self._state
+
+    def set_weights(self, weights: dict[str, float], effective_step: int | None = None) -> int:
+        """New weights in every lane from one global step: `effective_step`, or the first
+        step no lane has begun if that is later (lanes make steps ahead of what is handed
+        out). Never a step already handed out. Returns the step."""
+        step = self._asked if effective_step is None else int(effective_step)
+        if step < self.step:
+            raise ValueError(
+                f"effective step {step} is already produced (next step is {self.step})"
+            )
+        normalize_weights(weights, self.names)  # refused here, before any lane changes
+        with self._lock:  # the producer thread asks for chunks (`_ask`) meanwhile
+            step = max(step, self._asked)
+            calls = [lane.call("set_weights", weights, step) for lane in self.lanes]
+            self.mixer.schedule(step, weights, source="api")
+        got = [lane.get(call) for lane, call in zip(self.lanes, calls, strict=True)]
+        assert set(got) == {step}, got
+        return step
+
+    def close(self) -> None:
+        for lane in self.lanes:
+            lane.kill()
+
+    # -- figures ----------------------------------------------------------------------------
+
+    def totals(self) -> RunTotals:
+        """What was served so far (since step 0, across resumes)."""
+        read = self._joined_read()
+        return RunTotals(
+            steps=self.step,
+            rows=self.rows,
+            real_tokens=self.real_tokens,
+            seq_len=self.cfg.seq_len,
+            streams={
+                n: {
+                    "tokens": int(self.tokens[i]),
+                    "docs": int(self.docs_emitted[i]),
+                    "skipped": read[n].skipped,
+                }
+                for i, n in enumerate(self.names)
+            },  # fmt: skip
+        )
+
+    def _lane_summaries(self) -> list[tuple[RunSummary, dict[str, list[int]]]]:
+        return [lane.get(lane.call("summary")) for lane in self.lanes]
+
+    def _joined_read(self) -> dict[str, StreamSummary]:
+        parts = self._lane_summaries()
+        out = {}
+        for name in self.names:
+            each = [p.streams[name] for p, _ in parts]
+            lengths = np.concatenate([np.asarray(ls[name], dtype=np.int64) for _, ls in parts])
+            first = each[0]
+            out[name] = replace(
+                first,
+                **{
+                    k: sum(getattr(s, k) for s in each)
+                    for k in (
+                        "docs_read",
+                        "tokens_read",
+                        "skipped",
+                        "split",
+                        "truncated",
+                        "dropped",
+                        "truncated_tokens",
+                        "dropped_tokens",
+                    )
+                },  # fmt: skip
+                epochs_started=max(s.epochs_started for s in each),
+                backend_tokens={
+                    b: sum(s.backend_tokens[b] for s in each) for b in first.backend_tokens
+                },  # fmt: skip
+                length=describe_lengths(lengths),
+            )
+        return out
+
+    def summary(self) -> RunSummary:
+        """The run's summary: what was served counted here, what was read summed over the
+        lanes (they read ahead of what was served), the mixture as lane 0 records it (every
+        lane holds the same changes)."""
+        parts = self._lane_summaries()
+        first = parts[0][0]
+        read = self._joined_read()
+        total = int(self.tokens.sum())
+        streams = {
+            n: replace(read[n], tokens=int(self.tokens[i]), docs=int(self.docs_emitted[i]),
+                       realized_share=float(self.tokens[i] / total) if total else 0.0)
+            for i, n in enumerate(self.names)
+        }  # fmt: skip
+        L = self.cfg.seq_len
+        return replace(
+            first,
+            steps=self.step,
+            rows=self.rows,
+            global_batch_size=self.cfg.global_batch_size,
+            real_tokens=self.real_tokens,
+            packing_efficiency=self.real_tokens / (self.rows * L) if self.rows else 0.0,
+            streams=streams,
+            exhausted=[f"lane {k}: {line}" for k, (p, _) in enumerate(parts) for line in p.exhausted],
+            elapsed_s=max(p.elapsed_s for p, _ in parts),
+            tokenizer_backend={b: sum(p.tokenizer_backend[b] for p, _ in parts)
+                               for b in first.tokenizer_backend},  # fmt: skip
+            first_reads=min((p.first_reads for p, _ in parts),
+                            key=lambda r: r.block_at if r.block_at is not None else float("inf")),
+        )  # fmt: skip

@@ -1,0 +1,279 @@
+"""Lanes (pipeline/lanes.py): K feeds, each with its share of every stream, make G/K rows of
+every global step. The sequence is a function of (config, seed, K), never of the world size;
+it resumes exactly from one nested state; mixing stays within K segments of its targets; a
+weight change lands at one step in every lane; lanes on Ray actors make the bytes that lanes
+in one process make."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pytest
+
+from pipeline.feed import Feed
+from pipeline.lanes import LanedFeed, LaneError
+from pipeline.read.reading import iter_blocks_local
+from pipeline.read.resolve import parse_config
+from pipeline.stages.documents import lane_shares
+from pipeline.state.resume import StateError, check_laned_state
+from service.export import run_export, step_path
+from tests.conftest import stdlib_texts, write_jsonl
+from tests.helpers import reassemble, rows_of
+from wire.layout import read_step
+
+
+@pytest.fixture(scope="module")
+def streams(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("lanes")
+    texts = stdlib_texts(120, max_bytes=6000)
+    for k in range(3):
+        write_jsonl(d / f"code{k}.jsonl", texts[k * 30 : (k + 1) * 30])
+    chats = [{"messages": [{"role": "user", "content": t[:80]},
+                           {"role": "assistant", "content": t[:600]}]} for t in texts[90:]]  # fmt: skip
+    write_jsonl(d / "chat.jsonl", chats)
+    return {
+        "code": {"paths": [str(d / "code*.jsonl")], "weight": 0.7},
+        "chat": {"paths": [str(d / "chat.jsonl")], "kind": "chat", "weight": 0.3},
+    }
+
+
+def config(streams, lanes: int, **extra):
+    base = {"seq_len": 128, "global_batch_size": 8, "lanes": lanes, "streams": streams,
+            "shuffle": {"piece_bytes": 8 << 10}, "read": {"first_block_bytes": 8 << 10}}  # fmt: skip
+    return parse_config(base | extra)
+
+
+def steps_of(feed, n: int | None = None) -> list[pa.RecordBatch]:
+    out = []
+    while (n is None or len(out) < n) and (b := feed.next_step()) is not None:
+        out.append(b)
+    feed.close()
+    return out
+
+
+def laned(cfg, **kw) -> LanedFeed:
+    return LanedFeed(cfg, local=True, **kw)
+
+
+def test_one_lane_is_the_config_without_lanes(streams):
+    with_key = config(streams, 1)
+    without = parse_config({k: v for k, v in with_key.model_dump(mode="json").items()
+                            if k != "lanes"})  # fmt: skip
+    assert with_key.config_hash() == without.config_hash()
+    assert config(streams, 2).config_hash() != with_key.config_hash()
+
+
+def test_lanes_must_divide_the_step(streams):
+    with pytest.raises(ValueError, match="lanes: 3 must divide global_batch_size 8"):
+        config(streams, 3)
+
+
+def test_the_partition_is_balanced_and_deterministic():
+    works = [100, 5, 70, 70, 30, 1, 1, 60, 40]
+    shares = lane_shares(works, 3)
+    assert shares == lane_shares(works, 3)
+    load = [sum(w for w, s in zip(works, shares, strict=True) if s == k) for k in range(3)]
+    assert max(load) - min(load) <= max(works)
+    assert lane_shares(works, 1) == [0] * len(works)
+
+
+def pieces_of(batches) -> dict:
+    out: dict = {}
+    for b in batches:
+        for row in rows_of(b):
+            at = 0
+            for n, s, d, off in zip(row["seq_lens"], row["stream"], row["doc_id"],
+                                    row["doc_offset"], strict=True):  # fmt: skip
+                out.setdefault((s, d), []).append((off, row["input_ids"][at : at + n]))
+                at += n
+    return out
+
+
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_lanes_serve_each_piece_once_with_the_documents_tokens(streams, lanes):
+    """Pieces of the streams are shared among the lanes, never repeated: every segment the
+    lanes serve holds its document's tokens at its offset (each stream alone, one lane, gives
+    every document whole), none twice, and the lanes serve most of what one lane serves (the
+    sequence ends when the first lane runs dry, leaving the others' tail: within a piece per
+    lane of the data, here ~17k tokens cut into 8 KiB pieces, so up to a quarter at K=4)."""
+    docs = {}
+    for name, stream in streams.items():
+        alone = steps_of(Feed(config({name: stream}, 1), iter_blocks_local))
+        docs |= reassemble(r for b in alone for r in rows_of(b))
+    many = pieces_of(steps_of(laned(config(streams, lanes))))
+    seen = set()
+    for key, parts in many.items():
+        for off, toks in parts:
+            assert (key, off) not in seen, (key, off)
+            seen.add((key, off))
+            assert toks == docs[key][off : off + len(toks)].tolist(), (key, off)
+    served = sum(len(t) for parts in many.values() for _, t in parts)
+    one = pieces_of(steps_of(Feed(config(streams, 1), iter_blocks_local)))
+    assert served >= 0.75 * sum(len(t) for parts in one.values() for _, t in parts)
+
+
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_global_rows_do_not_depend_on_the_world_size(streams, tmp_path, lanes):
+    cfg = config(streams, lanes)
+    seen = {}
+    for world in (1, 2, 4, 8):
+        out = tmp_path / f"w{world}"
+        s = run_export(cfg, out, steps=6, world_size=world, executor=iter_blocks_local)
+        assert s.export.steps_written == 6
+        steps = []
+        for step in range(6):
+            parts = [read_step(step_path(out, step, r, "parquet")) for r in range(world)]
+            steps.append(pa.Table.from_batches(parts).to_pydict())
+        seen[world] = steps
+    for world in (2, 4, 8):
+        assert seen[world] == seen[1], world
+
+
+def test_a_lane_owns_its_rows_of_every_step(streams):
+    """Lane k makes rows [k*G/K, (k+1)*G/K): a lane's own feed gives exactly those rows."""
+    cfg = config(streams, 2)
+    joined = steps_of(laned(cfg), 5)
+    lane1 = steps_of(Feed(cfg, iter_blocks_local, lane=1), 5)
+    for whole, part in zip(joined, lane1, strict=True):
+        assert whole.slice(4, 4).to_pydict() == part.to_pydict()
+
+
+def test_resume_from_a_laned_state_equals_the_uninterrupted_run(streams):
+    cfg = config(streams, 2)
+    full = steps_of(laned(cfg))
+    assert len(full) > 8
+    first = laned(cfg, state_every=4)
+    head = [first.next_step() for _ in range(4)]
+    state = json.loads(json.dumps(first.get_state()))
+    first.close()
+    assert state["step"] == 4 and len(state["lanes"]) == 2
+    rest = steps_of(laned(cfg, state=state))
+    for a, b in zip(head + rest, full, strict=True):
+        assert a.to_pydict() == b.to_pydict()
+        assert a.schema.metadata == b.schema.metadata
+
+
+def test_states_of_other_lanes_are_refused_by_name(streams):
+    two, four, one = config(streams, 2), config(streams, 4), config(streams, 1)
+    feed = laned(two, state_every=2)
+    steps_of(feed, 2)
+    state = feed.get_state()
+    with pytest.raises(StateError, match="has 2 lanes, this config has lanes: 4"):
+        laned(four, state=state)
+    with pytest.raises(StateError, match="holds 2 lanes and this config has lanes: 1"):
+        Feed(one, iter_blocks_local, state=state)
+    single = Feed(one, iter_blocks_local)
+    single.next_step()
+    with pytest.raises(StateError, match="a single feed's and this config has lanes: 2"):
+        check_laned_state(single.get_state(), two.config_hash(), ["code", "chat"], False,
+                          "bfd", 2)  # fmt: skip
+    single.close()
+    broken = dict(state, step=3)
+    with pytest.raises(StateError, match="digest does not match"):
+        laned(two, state=broken)
+
+
+def test_mixing_holds_at_every_prefix_within_one_segment_per_lane(streams):
+    lanes, cfg = 4, config(streams, 4)
+    placed, total = {"code": 0, "chat": 0}, 0
+    for b in steps_of(laned(cfg)):
+        for row in rows_of(b):
+            for n, s in zip(row["seq_lens"], row["stream"], strict=True):
+                placed[s] += n
+                total += n
+        for name, w in (("code", 0.7), ("chat", 0.3)):
+            assert abs(placed[name] - w * total) <= lanes * cfg.seq_len, (name, placed, total)
+
+
+def test_a_weight_change_lands_at_one_step_in_every_lane(streams):
+    cfg = config(streams, 2)
+    feed = laned(cfg)
+    for _ in range(3):
+        feed.next_step()
+    with pytest.raises(ValueError, match="already produced"):
+        feed.set_weights({"code": 0.5, "chat": 0.5}, 2)
+    at = feed.set_weights({"code": 0.1, "chat": 0.9}, 3)
+    assert at == feed._asked > 3  # the first step no lane has begun
+    for lane in feed.lanes:
+        history = lane.worker.feed.mixer.history
+        assert [(c.step, c.source) for c in history][-1] == (at, "api")
+    later = steps_of(feed)[at - 3 :]
+    chat = sum(n for b in later for r in rows_of(b)
+               for n, s in zip(r["seq_lens"], r["stream"], strict=True) if s == "chat")  # fmt: skip
+    every = sum(n for b in later for r in rows_of(b) for n in r["seq_lens"])
+    assert chat / every > 0.6
+
+
+def test_the_summary_counts_what_was_served(streams):
+    cfg = config(streams, 2)
+    feed = laned(cfg)
+    batches = steps_of(feed)
+    summary = feed.summary()
+    served = sum(n for b in batches for r in rows_of(b) for n in r["seq_lens"])
+    assert summary.real_tokens == served
+    assert summary.steps == len(batches) and summary.rows == sum(b.num_rows for b in batches)
+    assert sum(s.tokens for s in summary.streams.values()) == served
+    assert abs(summary.streams["code"].realized_share - 0.7) < 0.05
+
+
+@pytest.mark.slow
+def test_lanes_on_ray_actors_make_the_bytes_of_lanes_in_one_process(streams, ray_cluster,
+                                                                    tmp_path):  # fmt: skip
+    """Two lane actors reading with Ray Data, beside an in-process laned export: the same
+    step files, byte for byte; a lane actor killed mid-run fails the run naming the lane."""
+    import ray
+
+    cfg = config(streams, 2)
+    run_export(cfg, tmp_path / "ray", steps=8, state_every=4)
+    run_export(cfg, tmp_path / "local", steps=8, state_every=4, executor=iter_blocks_local)
+    for step in range(8):
+        a, b = (read_step(step_path(tmp_path / d, step, 0, "parquet")) for d in ("ray", "local"))
+        assert a.equals(b) and a.schema.metadata == b.schema.metadata
+    for name in ("state-00000004.json", "state-00000008.json"):
+        assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+
+    feed = LanedFeed(cfg)
+    feed.next_step()
+    ray.kill(feed.lanes[1].handle)
+    with pytest.raises(LaneError, match="lane 1 of 2 failed"):
+        steps_of(feed)
+
+
+@pytest.mark.slow
+def test_a_laned_service_serves_many_ranks_the_export_with_its_weight_change(
+    streams, ray_cluster, tmp_path
+):
+    """Lanes behind the batch server: 4 ranks pull at once while the weights change through
+    the control path; every rank gets exactly the rows of an export whose config schedules
+    that change at the step the service chose, and the mixture records it once."""
+    import os
+    import threading
+
+    import ray
+
+    from service.serve import start_server
+    from tests.test_ranks import assert_equal_to_export, exported, pull, wait_produced
+
+    cfg = config(streams, 2)
+    name = f"lanes{os.getpid()}"
+    actor = start_server(cfg, name=name, prefetch=4)
+    try:
+        wait_produced(actor, 2)
+        step = ray.get(actor.set_weights.remote({"code": 0.5, "chat": 0.5}))
+        assert step >= 2
+        steps = 8
+        got: dict[int, list] = {r: [] for r in range(4)}
+        threads = [threading.Thread(target=pull, args=(name, r, 4, steps, got[r]))
+                   for r in range(4)]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        mixture = ray.get(actor.mixture.remote())
+        assert [c["step"] for c in mixture["history"] if c["source"] == "api"] == [step]
+    finally:
+        ray.kill(actor)
+    scheduled = parse_config(cfg.model_dump(mode="json")
+                             | {"schedule": [{"step": step, "weights": {"code": 0.5, "chat": 0.5}}]})  # fmt: skip
+    assert_equal_to_export(got, exported(scheduled, tmp_path, steps, 4), steps)
