@@ -83,8 +83,9 @@ def main(argv=None) -> int:
 def warm_up(cfg) -> None:
     """Make the cluster warm: one feed to its first step (workers started, tokenizer cached)."""
     from pipeline.feed import Feed
+    from pipeline.lanes import LanedFeed
 
-    feed = Feed(cfg)
+    feed = Feed(cfg) if cfg.lanes == 1 else LanedFeed(cfg)
     feed.next_step()
     feed.close()
 

@@ -202,12 +202,21 @@ def connect(
         _token_mode()
     ray.init(
         address="local",
-        num_cpus=num_cpus or os.cpu_count(),
+        num_cpus=num_cpus or usable_cpus(),
         object_store_memory=object_store_memory,
         include_dashboard=False,
         **kwargs,
     )
     return True
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (`taskset`, a container's cpuset),
+    not the machine's count, so an embedded Ray confined to N cores schedules N tasks."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def connect_in_background(address: str | None = None) -> Future:

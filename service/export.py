@@ -235,8 +235,8 @@ def run_export(
             feed = LanedFeed(cfg, local=local, state=resume,
                              allow_config_change=allow_config_change, full_batches=full,
                              state_every=state_every)  # fmt: skip
+        feed_started = time.monotonic()  # before anything waits on the lanes
         at_start = feed.totals()  # a resumed feed's counts start at its state's
-        feed_started = time.monotonic()
         while steps is None or files.written < steps:
             want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
             batches = next_steps(feed, want, state_every)

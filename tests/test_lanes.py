@@ -277,3 +277,16 @@ def test_a_laned_service_serves_many_ranks_the_export_with_its_weight_change(
     scheduled = parse_config(cfg.model_dump(mode="json")
                              | {"schedule": [{"step": step, "weights": {"code": 0.5, "chat": 0.5}}]})  # fmt: skip
     assert_equal_to_export(got, exported(scheduled, tmp_path, steps, 4), steps)
+
+
+def test_trace_from_a_laned_state_is_the_laned_run(streams):
+    """`tokenmill trace --state` of a laned run replays every lane from the nested state."""
+    from pipeline.inspect.provenance import state_step
+
+    cfg = config(streams, 2)
+    steps = steps_of(laned(cfg), 5)
+    first = laned(cfg, state_every=2)
+    steps_of(first, 2)
+    at_two = first.get_state()
+    for step in (2, 4):
+        assert state_step(cfg, at_two, step).to_pydict() == steps[step].to_pydict()

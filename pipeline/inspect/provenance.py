@@ -127,6 +127,7 @@ def state_steps(
     """Global steps `steps` (ascending) recomputed from `state` (at or before the first), in
     this process: the feed is rebuilt once and run forward once, past every step asked for."""
     from pipeline.feed import Feed
+    from pipeline.lanes import LanedFeed
     from pipeline.read.reading import iter_blocks_local
 
     wanted = sorted(set(steps))
@@ -135,7 +136,11 @@ def state_steps(
         raise ValueError(f"the state is at step {at}: it cannot give the earlier step {wanted[0]}")
     if not wanted:
         return
-    feed = Feed(cfg, executor=iter_blocks_local, state=state)
+    feed = (
+        Feed(cfg, executor=iter_blocks_local, state=state)
+        if cfg.lanes == 1
+        else LanedFeed(cfg, local=True, state=state)  # every lane, here, from its state
+    )
     try:
         for step in range(at, wanted[-1] + 1):
             batch = feed.next_step()

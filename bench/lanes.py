@@ -1,0 +1,134 @@
+"""Lanes against cores: the export's rate with the whole process tree confined to N cores.
+
+    python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 4] [--json PATH]
+
+Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
+export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
+`usable_cpus`), Ray Data's workers and the lane actors all share N cores. At each N it runs
+`lanes: 1` and `lanes: N` over the same corpus, on two inputs:
+
+- text: the demo corpus's code.jsonl (`epochs` passes), tokenized by the workers;
+- pre-tokenized: an export of that corpus read back as a source (`format: export`), so only
+  reading, mixing, packing and writing remain: where one feed's single process shows.
+
+Figures, from each export's summary.json: `steady` (tokens/s over the second half of the
+run's steps, the export's own definition) and end to end (process start to last file). The
+ratios: steady ÷ (N × the 1-core, 1-lane steady of the same input), and the text export's
+steady ÷ (N × fastokens' single-core rate on the same texts, measured here in this process).
+Medians of `repeats` runs. The absolute figures are this machine's; the ratios are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.throughput import corpus_texts
+
+SEQ_LEN, BATCH = 2048, 32
+
+
+def fastokens_rate(texts: list[str], repeats: int = 3) -> float:
+    """Tokens/s of the fast engine on one core (this process, one thread)."""
+    from pipeline.config import TokenizerConfig
+    from pipeline.tokenize.engines import load_tokenizer
+
+    tok = load_tokenizer(TokenizerConfig())
+    assert tok.fast is not None, "no fast engine for the default tokenizer"
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = sum(len(x) for x in tok.fast.encode(texts))
+        best = max(best, n / (time.perf_counter() - t))
+    return best
+
+
+def export(config: dict, work: Path, cores: int, tag: str) -> dict:
+    """One confined export process; its summary's figures."""
+    path = work / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = work / tag
+    cpus = f"0-{cores - 1}" if cores > 1 else "0"
+    cmd = ["taskset", "-c", cpus, sys.executable, "-m", "service", "export",
+           "--config", str(path), "--out", str(out)]  # fmt: skip
+    t = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    s = json.loads((out / "summary.json").read_text())
+    for f in out.iterdir():  # keep the disk free; the summary has what we need
+        if f.name != "summary.json":
+            f.unlink()
+    return {"steady": s["steady_tokens_per_s"], "end_to_end": s["tokens_per_s"],
+            "tokens": s["real_tokens"], "steps": s["steps"], "wall_s": wall}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--cores", default=None, help="comma-separated (default: 1, 2, 4, … up "
+                    "to this process's cores)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=4, help="passes over code.jsonl")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from service.cluster import usable_cpus
+    from service.demo_corpus import build_demo_corpus
+
+    have = usable_cpus()
+    cores = ([int(c) for c in args.cores.split(",")] if args.cores else
+             [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= have])  # fmt: skip
+    corpus = build_demo_corpus() / "code.jsonl"
+    work = Path(tempfile.mkdtemp(prefix="bench-lanes-"))
+    base = {"seq_len": SEQ_LEN, "global_batch_size": BATCH, "packing": {"mode": "concat"}}
+    text = base | {"streams": {"code": {"paths": [str(corpus)], "repeat": args.epochs}}}
+    # The pre-tokenized input: the text export's files, read back (one piece per step file).
+    pretok_dir = work / "pretokenized"
+    export(text, work, have, "pretokenized")
+    pretok = base | {"streams": {"code": {"paths": [str(pretok_dir)], "format": "export"}}}
+    # (export() deleted the step files; write them again and keep them)
+    subprocess.run([sys.executable, "-m", "service", "export", "--config",
+                    str(work / "pretokenized.yaml"), "--out", str(pretok_dir)],
+                   check=True, capture_output=True)  # fmt: skip
+    fast = fastokens_rate(corpus_texts(corpus, 4 << 20))
+    rows = []
+    for kind, cfg in (("text", text), ("pre-tokenized", pretok)):
+        for n in cores:
+            for lanes in sorted({1, n}):
+                if BATCH % lanes:
+                    continue
+                runs = [export(cfg | {"lanes": lanes}, work, n, f"{kind}-{n}-{lanes}-{i}")
+                        for i in range(args.repeats)]  # fmt: skip
+                rows.append({"input": kind, "cores": n, "lanes": lanes,
+                             **{k: statistics.median(r[k] for r in runs)
+                                for k in ("steady", "end_to_end", "wall_s")},
+                             "tokens": runs[0]["tokens"], "runs": runs})  # fmt: skip
+    base_rate = {r["input"]: r["steady"] for r in rows if r["cores"] == 1 and r["lanes"] == 1}
+    print(f"fastokens, one core, this process: {fast / 1e6:.2f}M tokens/s")
+    head = (f"{'input':<14}{'cores':>6}{'lanes':>6}{'steady tok/s':>14}{'e2e tok/s':>12}"
+            f"{'÷ N×1-core':>12}{'÷ N×fastokens':>15}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        r["scaling"] = r["steady"] / (r["cores"] * base_rate[r["input"]])
+        r["of_fastokens"] = r["steady"] / (r["cores"] * fast)
+        print(f"{r['input']:<14}{r['cores']:>6}{r['lanes']:>6}{r['steady']:>14,.0f}"
+              f"{r['end_to_end']:>12,.0f}{r['scaling']:>12.2f}{r['of_fastokens']:>15.2f}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"fastokens_1core": fast, "points": rows},
+                                              indent=2) + "\n")  # fmt: skip
+    os.system(f"rm -rf {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
