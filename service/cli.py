@@ -286,6 +286,27 @@ def cmd_status(args) -> int:
     return run_status(args.name, args.address, as_json=args.json)
 
 
+def _check_lanes(cfg) -> bool:
+    """Whether every lane gets pieces of every stream; each stream's share per lane printed."""
+    from pipeline.stages.documents import DocSource
+
+    ok = True
+    for i, name in enumerate(cfg.streams):
+        try:
+            source = DocSource(name, i, cfg, executor=None, lane=0)  # type: ignore[arg-type]
+            lanes = source.piece_lanes()
+        except ValueError as e:
+            print(f"BAD lanes: {e}", file=sys.stderr)
+            ok = False
+            continue
+        work = [p.work for per_file in source.pieces() for p in per_file]
+        per = [sum(w for w, k in zip(work, lanes, strict=True) if k == lane)
+               for lane in range(cfg.lanes)]  # fmt: skip
+        print(f"  {name}: {len(work)} pieces over {cfg.lanes} lanes, "
+              f"{min(per):,}-{max(per):,} bytes each")  # fmt: skip
+    return ok
+
+
 def cmd_check(args) -> int:
     """Validate the config, load the tokenizer, then read and tokenize every record once:
     the bad ones listed (the first `--show` of each stream) and counted, the good ones
@@ -303,6 +324,8 @@ def cmd_check(args) -> int:
         print(f"BAD tokenizer: {e}", file=sys.stderr)
         return 1
     print(f"tokenizer ok: {tok.describe()}")
+    if cfg.lanes > 1 and not _check_lanes(cfg):
+        return 1
     listed: dict[str, int] = dict.fromkeys(cfg.streams, 0)
 
     def show(rej) -> None:

@@ -290,3 +290,12 @@ def test_trace_from_a_laned_state_is_the_laned_run(streams):
     at_two = first.get_state()
     for step in (2, 4):
         assert state_step(cfg, at_two, step).to_pydict() == steps[step].to_pydict()
+
+
+def test_check_and_stats_of_a_laned_config_count_the_whole_corpus(streams):
+    from pipeline.inspect.stats import count_corpus
+
+    def counts(cfg):
+        return {n: (c.records, c.tokens) for n, c in count_corpus(cfg, lambda r: None).items()}
+
+    assert counts(config(streams, 4)) == counts(config(streams, 1))

@@ -159,14 +159,14 @@ class DocSource:
         executor: Executor,
         on_reject: Callable[[Reject], None] | None = None,
         first_executor: Executor | None = None,
-        lane: int = 0,
+        lane: int | None = None,
     ):
         self.name, self.index, self.cfg = name, index, cfg
         self.stream = cfg.streams[name]
         # Lane `lane` of `cfg.lanes` reads its share of the stream's pieces (`lane_shares`)
         # and caps at its share of `max_tokens`; its seeded orders are its own (`salt`).
-        # One lane is the stream whole, with the orders it always had.
-        self.lane, self.lanes = lane, cfg.lanes
+        # No lane (stats, check) or one lane is the stream whole, with the orders it always had.
+        self.lane, self.lanes = (0, 1) if lane is None else (lane, cfg.lanes)
         self.salt = name if self.lanes == 1 else f"{name}/lane{lane}"
         cap = self.stream.max_tokens
         self.max_tokens = None if cap is None else _share(cap, lane, self.lanes)
@@ -321,7 +321,7 @@ class DocSource:
             self._pieces = plan
         return self._pieces
 
-    def _lane_of(self) -> list[int]:
+    def piece_lanes(self) -> list[int]:
         """Each piece's lane, over every file's pieces in plan order (`lane_shares`)."""
         flat = [p for per_file in self.pieces() for p in per_file]
         lanes = lane_shares([p.work for p in flat], self.lanes)
@@ -337,7 +337,7 @@ class DocSource:
         """Every file's pieces that this lane reads (all of them with one lane)."""
         if self.lanes == 1:
             return self.pieces()
-        lanes, at, out = self._lane_of(), 0, []
+        lanes, at, out = self.piece_lanes(), 0, []
         for per_file in self.pieces():
             out.append([p for i, p in enumerate(per_file) if lanes[at + i] == self.lane])
             at += len(per_file)
@@ -347,7 +347,7 @@ class DocSource:
         """This lane's pieces of the flat plan, each keeping its end in its file."""
         if self.lanes == 1:
             return flat, ends
-        mine = [i for i, lane in enumerate(self._lane_of()) if lane == self.lane]
+        mine = [i for i, lane in enumerate(self.piece_lanes()) if lane == self.lane]
         return [flat[i] for i in mine], [ends[i] for i in mine]
 
     def units(self, epoch: int) -> list[Unit]:
