@@ -169,7 +169,7 @@ class DocSource:
         self.lane, self.lanes = (0, 1) if lane is None else (lane, cfg.lanes)
         self.salt = name if self.lanes == 1 else f"{name}/lane{lane}"
         cap = self.stream.max_tokens
-        self.max_tokens = None if cap is None else _share(cap, lane, self.lanes)
+        self.max_tokens = None if cap is None else _share(cap, self.lane, self.lanes)
         self.executor = executor
         self.first_executor = first_executor or executor  # the read `start()` begins
         self.on_reject = on_reject
