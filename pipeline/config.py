@@ -231,6 +231,11 @@ class ReadConfig(_Frozen):
     # past without being held: one huge line (a decompression bomb, a file without line
     # endings) cannot exhaust memory.
     max_record_bytes: int = Field(default=MAX_RECORD_BYTES, gt=0)
+    # With `lanes` > 1: each lane reads and tokenizes its share in its own process (true:
+    # one tokenizing process per lane, no block crossing processes), or hands that to Ray
+    # Data's tasks (false: more tokenizing processes than lanes, for a slow tokenizer).
+    # The blocks are the same either way, so it is not in the config hash.
+    in_lanes: bool = True
 
 
 class StreamConfig(_Frozen):
@@ -402,6 +407,7 @@ class Config(_Frozen):
             data["tokenizer"]["add_bos"] = False
         if not self.shuffle.interleaved:  # the shuffle before issue 26: its configs' hashes
             del data["shuffle"]["pieces"], data["shuffle"]["piece_bytes"]
+        del data["read"]["in_lanes"]  # who tokenizes, not what
         if data["lanes"] == 1:
             del data["lanes"]  # one lane is the sequence of configs that had no lanes
         if data["read"]["max_record_bytes"] == MAX_RECORD_BYTES:

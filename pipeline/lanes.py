@@ -78,6 +78,9 @@ class LaneWorker:
     def __init__(self, cfg_json: dict, lane: int, state: dict | None, allow_config_change: bool,
                  full_batches: bool, local: bool, ipc: bool):  # fmt: skip
         cfg = Config.model_validate(cfg_json)
+        # `read.in_lanes`: the lane reads and tokenizes its share itself, no block crosses a
+        # process (K lanes are K tokenizing processes); else through Ray Data's tasks.
+        local = local or cfg.read.in_lanes
         executor = iter_blocks_local if local else iter_blocks_ray
         first = None if local else with_head_start(executor)
         self.feed = Feed(cfg, executor, first, state=state,

@@ -220,18 +220,22 @@ def test_the_summary_counts_what_was_served(streams):
 @pytest.mark.slow
 def test_lanes_on_ray_actors_make_the_bytes_of_lanes_in_one_process(streams, ray_cluster,
                                                                     tmp_path):  # fmt: skip
-    """Two lane actors reading with Ray Data, beside an in-process laned export: the same
-    step files, byte for byte; a lane actor killed mid-run fails the run naming the lane."""
+    """Two lane actors, each reading and tokenizing its share itself (`read.in_lanes`, the
+    default) or through Ray Data's tasks, beside an in-process laned export: the same step
+    files and states, byte for byte; a lane actor killed mid-run fails the run naming it."""
     import ray
 
     cfg = config(streams, 2)
-    run_export(cfg, tmp_path / "ray", steps=8, state_every=4)
+    by_ray_data = config(streams, 2, read={"first_block_bytes": 8 << 10, "in_lanes": False})
+    assert by_ray_data.config_hash() == cfg.config_hash()
     run_export(cfg, tmp_path / "local", steps=8, state_every=4, executor=iter_blocks_local)
-    for step in range(8):
-        a, b = (read_step(step_path(tmp_path / d, step, 0, "parquet")) for d in ("ray", "local"))
-        assert a.equals(b) and a.schema.metadata == b.schema.metadata
-    for name in ("state-00000004.json", "state-00000008.json"):
-        assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    for d, c in (("actors", cfg), ("ray-data", by_ray_data)):
+        run_export(c, tmp_path / d, steps=8, state_every=4)
+        for step in range(8):
+            a, b = (read_step(step_path(tmp_path / x, step, 0, "parquet")) for x in (d, "local"))
+            assert a.equals(b) and a.schema.metadata == b.schema.metadata
+        for name in ("state-00000004.json", "state-00000008.json"):
+            assert (tmp_path / d / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
 
     feed = LanedFeed(cfg)
     feed.next_step()

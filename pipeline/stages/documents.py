@@ -167,7 +167,7 @@ class DocSource:
         # and caps at its share of `max_tokens`; its seeded orders are its own (`salt`).
         # No lane (stats, check) or one lane is the stream whole, with the orders it always had.
         self.lane, self.lanes = (0, 1) if lane is None else (lane, cfg.lanes)
-        self.salt = name if self.lanes == 1 else f"{name}/lane{lane}"
+        self.salt = name if self.lanes == 1 else f"{name}/lane{self.lane}"
         cap = self.stream.max_tokens
         self.max_tokens = None if cap is None else _share(cap, self.lane, self.lanes)
         self.executor = executor
