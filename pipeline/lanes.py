@@ -124,6 +124,9 @@ class _Local:
     def get(self, handle) -> Any:
         return handle
 
+    def ready(self, handle) -> bool:
+        return True
+
     def kill(self) -> None:
         self.worker.close()
 
@@ -141,6 +144,11 @@ class _Actor:
         import ray
 
         return ray.get(ref)
+
+    def ready(self, ref) -> bool:
+        import ray
+
+        return bool(ray.wait([ref], timeout=0)[0])
 
     def kill(self) -> None:
         import ray
@@ -163,7 +171,8 @@ class LanedFeed:
     def __init__(self, cfg: Config, *, local: bool = False, state: dict | None = None,
                  allow_config_change: bool = False, full_batches: bool = True,
                  state_every: int = 0,
-                 on_reject: Callable[[Reject], None] | None = None):  # fmt: skip
+                 on_reject: Callable[[Reject], None] | None = None,
+                 wait_for_figures: bool = True):  # fmt: skip
         self.cfg = cfg
         self.names = list(cfg.streams)
         self.config_hash = cfg.config_hash()
@@ -205,6 +214,12 @@ class LanedFeed:
             self.lanes = [_Actor(actor.options(**opts).remote(*a)) for a in args]
         self.rejects: list[Reject] = []
         self.on_reject = on_reject
+        # False (the batch server): `summary` answers with the lanes' last summaries and asks
+        # again in the background, so a metrics call never waits on a lane busy making steps
+        # (what was served is counted here, always current; what was read lags one call).
+        self.wait_for_figures = wait_for_figures
+        self._summaries: list | None = None
+        self._asking: list | None = None
         # The batch server calls set_weights from its control thread while its producer
         # thread makes steps: the lock orders the lanes' calls and guards the bookkeeping.
         self._lock = threading.RLock()
@@ -377,10 +392,24 @@ class LanedFeed:
         )
 
     def _lane_summaries(self) -> list[tuple[RunSummary, dict[str, list[int]]]]:
-        return [lane.get(lane.call("summary")) for lane in self.lanes]
+        """The lanes' summaries: asked for now, or (`wait_for_figures` False) the last ones
+        the lanes gave, with the next asked for in the background; the first call waits."""
+        if self.wait_for_figures or self._summaries is None:
+            self._summaries = [lane.get(lane.call("summary")) for lane in self.lanes]
+            return self._summaries
+        asking = self._asking
+        if asking is not None and all(
+            lane.ready(a) for lane, a in zip(self.lanes, asking, strict=True)
+        ):
+            self._summaries = [lane.get(a) for lane, a in zip(self.lanes, asking, strict=True)]
+            asking = None
+        if asking is None:
+            asking = [lane.call("summary") for lane in self.lanes]
+        self._asking = asking
+        return self._summaries
 
-    def _joined_read(self) -> dict[str, StreamSummary]:
-        parts = self._lane_summaries()
+    def _joined_read(self, parts=None) -> dict[str, StreamSummary]:
+        parts = parts or self._lane_summaries()
         out = {}
         for name in self.names:
             each = [p.streams[name] for p, _ in parts]
@@ -415,21 +444,24 @@ class LanedFeed:
         lane holds the same changes)."""
         parts = self._lane_summaries()
         first = parts[0][0]
-        read = self._joined_read()
-        total = int(self.tokens.sum())
+        read = self._joined_read(parts)
+        with self._lock:  # one reading of what was served (the producer thread adds to it)
+            step, rows, real = self.step, self.rows, self.real_tokens
+            tokens, docs = self.tokens.copy(), self.docs_emitted.copy()
+        total = int(tokens.sum())
         streams = {
-            n: replace(read[n], tokens=int(self.tokens[i]), docs=int(self.docs_emitted[i]),
-                       realized_share=float(self.tokens[i] / total) if total else 0.0)
+            n: replace(read[n], tokens=int(tokens[i]), docs=int(docs[i]),
+                       realized_share=float(tokens[i] / total) if total else 0.0)
             for i, n in enumerate(self.names)
         }  # fmt: skip
         L = self.cfg.seq_len
         return replace(
             first,
-            steps=self.step,
-            rows=self.rows,
+            steps=step,
+            rows=rows,
             global_batch_size=self.cfg.global_batch_size,
-            real_tokens=self.real_tokens,
-            packing_efficiency=self.real_tokens / (self.rows * L) if self.rows else 0.0,
+            real_tokens=real,
+            packing_efficiency=real / (rows * L) if rows else 0.0,
             streams=streams,
             exhausted=[f"lane {k}: {line}" for k, (p, _) in enumerate(parts) for line in p.exhausted],
             elapsed_s=max(p.elapsed_s for p, _ in parts),

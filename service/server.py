@@ -140,7 +140,8 @@ class BatchServer:
                 # and serves them. Every step's state is kept, as a Feed's (the window).
                 return LanedFeed(self.cfg, state=state, allow_config_change=allow_config_change,
                                  full_batches=False, state_every=1,
-                                 on_reject=self.telemetry.add_reject)  # fmt: skip
+                                 on_reject=self.telemetry.add_reject,
+                                 wait_for_figures=False)  # fmt: skip
             feed = Feed(
                 self.cfg,
                 executor,

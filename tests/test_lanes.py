@@ -253,6 +253,7 @@ def test_a_laned_service_serves_many_ranks_the_export_with_its_weight_change(
     that change at the step the service chose, and the mixture records it once."""
     import os
     import threading
+    import time
 
     import ray
 
@@ -270,10 +271,24 @@ def test_a_laned_service_serves_many_ranks_the_export_with_its_weight_change(
         got: dict[int, list] = {r: [] for r in range(4)}
         threads = [threading.Thread(target=pull, args=(name, r, 4, steps, got[r]))
                    for r in range(4)]  # fmt: skip
+        figures = []
+
+        def watch():  # the page's polling, while the ranks pull
+            while any(t.is_alive() for t in threads):
+                figures.append(ray.get(actor.metrics.remote()))
+                time.sleep(0.1)
+
         for t in threads:
             t.start()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
         for t in threads:
             t.join(timeout=300)
+        watcher.join()
+        figures.append(ray.get(actor.metrics.remote()))
+        for m in figures:
+            assert sum(s["tokens"] for s in m["streams"].values()) == m["real_tokens"]
+        assert figures[-1]["real_tokens"] > 0
         mixture = ray.get(actor.mixture.remote())
         assert [c["step"] for c in mixture["history"] if c["source"] == "api"] == [step]
     finally:
