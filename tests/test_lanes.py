@@ -318,3 +318,48 @@ def test_check_and_stats_of_a_laned_config_count_the_whole_corpus(streams):
         return {n: (c.records, c.tokens) for n, c in count_corpus(cfg, lambda r: None).items()}
 
     assert counts(config(streams, 4)) == counts(config(streams, 1))
+
+
+@pytest.mark.slow
+def test_laned_ranks_resuming_from_a_state_go_on_as_the_export(streams, ray_cluster, tmp_path):
+    """Ranks that resume from a state of the laned service (the seek builds new lane actors
+    from the nested state and closes the old ones) get steps 2, 3, ... exactly as the
+    export has them."""
+    import os
+    import threading
+
+    import numpy as np
+    import ray
+
+    from service.serve import start_server
+    from tests.test_ranks import exported, wait_produced
+    from trainer.feed import Feed as RankFeed
+
+    cfg = config(streams, 2)
+    name = f"seek{os.getpid()}"
+    actor = start_server(cfg, name=name, prefetch=4)
+    got: dict[int, list] = {0: [], 1: []}
+    try:
+        wait_produced(actor, 4)  # the window's worth, with no rank connected
+        state = ray.get(actor.state.remote(2))
+        assert ray.get(actor.seek.remote(state)) == 2  # the new lanes, from the state
+
+        def rank(r):
+            feed = RankFeed.connect(service=name, rank=r, world_size=2, state=state, timeout_s=60)
+            for _ in range(4):
+                b = next(feed)
+                got[r].append((b["global_step"], b["input_ids"].numpy(), b["labels"].numpy()))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        ray.kill(actor)
+    want = exported(cfg, tmp_path, 6, 2)
+    for r, taken in got.items():
+        assert [s for s, _, _ in taken] == [2, 3, 4, 5], r
+        for s, ids, labels in taken:
+            np.testing.assert_array_equal(ids, want[(s, r)][0])
+            np.testing.assert_array_equal(labels, want[(s, r)][1])
