@@ -115,6 +115,19 @@ def seal(state: dict) -> dict:
     return state
 
 
+def _check_seal(state: dict) -> None:
+    """StateError unless the state's digest is that of its content."""
+    try:
+        ok = state.get(DIGEST) == digest(state)
+    except (TypeError, ValueError) as e:  # NaN, or something that is not JSON
+        raise StateError(f"resume state is not plain JSON: {e}") from None
+    if not ok:
+        raise StateError(
+            "resume state digest does not match its content: the state was corrupted or "
+            "edited (states are checked whole; use the file as it was written)"
+        )
+
+
 def check_state(
     state, config_hash: str, names: list[str], allow_config_change: bool,
     packing: str | None = None,
@@ -127,15 +140,7 @@ def check_state(
     if not _is_int(version) or version not in (STATE_VERSION, *LEGACY_VERSIONS):
         raise StateError(f"resume state has version {version!r}, expected {STATE_VERSION}")
     if version != 1:
-        try:
-            ok = state.get(DIGEST) == digest(state)
-        except (TypeError, ValueError) as e:  # NaN, or something that is not JSON
-            raise StateError(f"resume state is not plain JSON: {e}") from None
-        if not ok:
-            raise StateError(
-                "resume state digest does not match its content: the state was corrupted or "
-                "edited (states are checked whole; use the file as it was written)"
-            )
+        _check_seal(state)
     else:
         logging.getLogger("tokenmill").warning("resuming a version %s state (no digest)", version)
     if LANES in state:
@@ -192,15 +197,7 @@ def check_laned_state(
         raise StateError(
             f"resume state has version {state.get(VERSION)!r}, expected {STATE_VERSION}"
         )
-    try:
-        ok = state.get(DIGEST) == digest(state)
-    except (TypeError, ValueError) as e:
-        raise StateError(f"resume state is not plain JSON: {e}") from None
-    if not ok:
-        raise StateError(
-            "resume state digest does not match its content: the state was corrupted or "
-            "edited (states are checked whole; use the file as it was written)"
-        )
+    _check_seal(state)
     parts = state[LANES]
     if not isinstance(parts, list) or len(parts) != lanes:
         got = len(parts) if isinstance(parts, list) else type(parts).__name__
