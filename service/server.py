@@ -19,19 +19,15 @@ or the Ray job), so a killed `serve` never leaves a service behind that blocks t
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
-from pipeline.config import Config
-from pipeline.feed import Feed, rank_runs
-from pipeline.lanes import LanedFeed
-from pipeline.state.resume import StateError
 from service.losses import StreamLosses
-from service.producer import Producer
-from service.telemetry import Telemetry
 from service.window import StepWindow
 from wire.arrays import to_ipc
 from wire.protocol import (
@@ -57,6 +53,22 @@ from wire.protocol import (
     StepReply,
     Welcome,
 )
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
+    from pipeline.feed import Feed
+    from pipeline.lanes import LanedFeed
+
+# The pipeline is imported where it is used, not here: a rank's `ray.get_actor` loads this
+# class, so every rank imports this module too (with the pipeline and pydantic, that cost
+# each rank ~0.37 CPU-s at connect, on the cores the service was starting on).
+
+
+def _quietly(fn, *args) -> None:
+    """`fn(*args)` for its side effect (a cache), on a thread: an error is raised again where
+    the result is needed (the same call, in the feed), not here."""
+    with contextlib.suppress(Exception):
+        fn(*args)
 
 
 class _Default(enum.Enum):
@@ -92,7 +104,16 @@ class BatchServer:
         allow_config_change: bool = False,
         pool: bool = False,
     ):
+        from pipeline.config import Config
+        from pipeline.tokenize import load_tokenizer
+
         self.cfg = Config.model_validate(cfg_json)
+        # The tokenizer loads (~0.6 s; its parse lets go of the GIL) while the rest of the
+        # pipeline is imported and planned; the feed finds it loaded or waits for it.
+        threading.Thread(target=_quietly, args=(load_tokenizer, self.cfg.tokenizer),
+                         name="tokenmill-tokenizer", daemon=True).start()  # fmt: skip
+        from service.telemetry import Telemetry
+
         self.pool = pool  # tokenize on the warm pool (a running cluster), else Ray Data
         self.prefetch = max(1, prefetch or prefetch_window(self.cfg))
         self.keep_states = keep_states
@@ -128,12 +149,21 @@ class BatchServer:
 
         Reads as an export does: this process tokenizes the first units itself (the head
         start) until the workers deliver: the warm pool on a running cluster (`pool`: its
-        actors outlive a service, so the next one finds them warm), else Ray Data tasks. The
-        blocks are the same whoever tokenizes them, so the sequence is too."""
-        from pipeline.read.pool import pool_executor
+        actors outlive a service, so the next one finds them warm), else Ray Data tasks.
+        Where the pool's actors are already up, they make the first units too. The blocks
+        are the same whoever tokenizes them, so the sequence is too."""
+        from pipeline.feed import Feed
+        from pipeline.lanes import LanedFeed
+        from pipeline.read.pool import pool_executor, pool_is_warm
         from pipeline.read.reading import iter_blocks_ray, with_head_start
+        from pipeline.state.resume import StateError
 
         executor = pool_executor(None) if self.pool else iter_blocks_ray
+        # A warm pool (an earlier export's or service's actors) makes the first units from
+        # the start: no head start here, and the tokenizer loads on a thread meanwhile (this
+        # process needs only its pad id). Measured by bench/first_batch.py.
+        warm = self.pool and self.cfg.lanes == 1 and pool_is_warm(None)
+        first = executor if warm else with_head_start(executor)
         try:
             if self.cfg.lanes > 1:
                 # K lane actors read (Ray Data), mix and pack; this actor joins their rows
@@ -145,7 +175,7 @@ class BatchServer:
             feed = Feed(
                 self.cfg,
                 executor,
-                with_head_start(executor),
+                first,
                 state=state,
                 allow_config_change=allow_config_change,
                 on_reject=self.telemetry.add_reject,
@@ -167,6 +197,8 @@ class BatchServer:
         # one are told so when they ask (`get`), instead of waiting for steps that never come.
         self.generation = getattr(self, "generation", -1) + 1
         self.feed = feed
+        from service.producer import Producer
+
         self.window = StepWindow(feed.step, self.prefetch, self.rank_timeout_s)
         self.producer = Producer(
             feed, self.window, self._cond, self.keep_states, on_step=self._on_step,
@@ -220,6 +252,8 @@ class BatchServer:
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank!r} is outside world size {world_size}")
         if state is not None and not isinstance(state, dict):
+            from pipeline.state.resume import StateError
+
             raise StateError(f"resume state must be a JSON object, got {type(state).__name__}")
         if state is not None:
             self.seek(state)
@@ -333,6 +367,8 @@ class BatchServer:
                     return StepReply("wait", reason=self._why_waiting())
                 waited = True
                 self._cond.wait(timeout=min(left, 1.0))
+        from pipeline.feed import rank_runs
+
         # Sliced outside the lock: under it, one rank's copy held up every other rank.
         runs = rank_runs(batches, rank, world_size, G)
         return StepReply("ready", [to_ipc(run) for run, _ in runs], [n for _, n in runs])
@@ -430,6 +466,8 @@ class BatchServer:
         try:
             step = int(state["step"])
         except (TypeError, KeyError, ValueError):
+            from pipeline.state.resume import StateError
+
             raise StateError("resume state has no integer 'step'") from None
         with self._seek_lock:
             with self._cond:

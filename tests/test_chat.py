@@ -145,3 +145,32 @@ def test_malformed_conversations_are_counted_and_good_ones_kept(tokenizer, tmp_p
         ]
         assert "good answer" in decode(tokenizer, learned)
         assert "q" not in decode(tokenizer, learned).replace("<|im_end|>", "")
+
+
+def test_the_glue_copy_read_again_from_the_file_is_the_loaded_tokenizer(tmp_path):
+    """The glue tokenizer is re-read from the tokenizer.json (GIL let go) only while that file
+    is unchanged since the load; it equals the copy made through `to_str`, and a file
+    rewritten since the load is never read: the loaded tokenizer is copied instead."""
+    import os
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from pipeline.config import TokenizerConfig
+    from pipeline.tokenize.engines import load_tokenizer
+    from pipeline.tokenize.files import default_tokenizer_file
+
+    path = tmp_path / "tokenizer.json"
+    shutil.copy(default_tokenizer_file(), path)
+    tok = load_tokenizer(TokenizerConfig(name=str(path), backend="hf"))
+    assert tok.source is not None and tok.source[0] == path
+    reread = tok._reread()
+    assert reread is not None
+    copy = Tokenizer.from_str(tok.tokenizer.to_str())
+    copy.encode_special_tokens = reread.encode_special_tokens = False
+    assert reread.to_str() == copy.to_str()
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert tok._reread() is None  # rewritten (a new mtime): never read
+    text = "<|im_start|>user\nhi<|im_end|>"
+    assert tok.with_specials().encode(text, add_special_tokens=False).ids[0] == IM_START

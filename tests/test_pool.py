@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from pipeline.feed import Feed
-from pipeline.read.pool import NAMESPACE, code_digest, pool_executor
+from pipeline.read.pool import NAMESPACE, code_digest, pool_executor, pool_is_warm
 from pipeline.read.reading import iter_blocks_local
 from tests.conformance import batch_bytes
 from tests.test_export import config
@@ -35,7 +35,13 @@ def test_a_warm_pool_makes_the_same_batches_and_outlives_one_run(ray_cluster, co
     pid = ray.get(actor.ready.remote())
     assert _steps(Feed(cfg, pool_executor(2, idle_s=6))) == want
     assert ray.get(actor.ready.remote()) == pid, "the second run must find the same warm actor"
+    # A warm pool makes the first units too (as a service does: no head start, the tokenizer
+    # loaded on a thread), with the same bytes.
+    assert pool_is_warm(2) and not pool_is_warm(3)
+    warm = pool_executor(2, idle_s=6)
+    assert _steps(Feed(cfg, warm, warm)) == want
     deadline = time.monotonic() + 60
     while _pool_names(ray) and time.monotonic() < deadline:
         time.sleep(1)
     assert not _pool_names(ray), "an idle pool actor must exit and free its CPU"
+    assert not pool_is_warm(2)

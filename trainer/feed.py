@@ -222,6 +222,10 @@ class Feed:
         with _CONNECT_LOCK:  # ranks may be threads of one process (tests, simulators)
             if not ray.is_initialized():
                 connect(client_address(address, service))
+                # Ray builds its serializer on a process's first object (~0.2 CPU-s: it
+                # imports pydantic): here, while the service may still be starting, not in
+                # the first call to it.
+                ray.put(None)
         deadline = time.time() + timeout_s
         while True:
             try:

@@ -55,6 +55,10 @@ def code_digest() -> str:
     return h.hexdigest()[:12]
 
 
+def _name(i: int) -> str:
+    return f"tokenmill-tokenize-{code_digest()}-{i}"
+
+
 class TokenizeWorker:
     """One warm process: tokenizes units, exits after `idle_s` seconds without one.
 
@@ -94,7 +98,7 @@ def _actor(i: int, idle_s: float):
     # No CPUs reserved (see module), spread over the nodes as Ray Data's tasks would be.
     cls = ray.remote(num_cpus=0, max_restarts=0)(TokenizeWorker)
     return cls.options(
-        name=f"tokenmill-tokenize-{code_digest()}-{i}",
+        name=_name(i),
         namespace=NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
@@ -110,9 +114,7 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
 
     if not units:
         return
-    if size is None:  # as many as the cluster has CPUs, as Ray Data would use
-        size = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    size = max(1, min(size, len(units)))  # an actor without a unit would only cost a process
+    size = max(1, min(_size(size), len(units)))  # an actor without a unit would only cost a process
     actors = [_actor(i, idle_s) for i in range(size)]
     stream_json = stream.model_dump(mode="json", context=REVEAL_SECRETS)
     tok_json = tok_cfg.model_dump(mode="json")
@@ -136,11 +138,33 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
             yield ray.get(submit(k))
 
 
+def _size(size: int | None) -> int:
+    """A pool's size: `size`, else as many actors as the cluster has CPUs (as Ray Data)."""
+    import ray
+
+    return size if size is not None else max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def pool_is_warm(size: int | None) -> bool:
+    """Whether every actor of a pool of `size` is up (an earlier export's or service's, of
+    this code): then it makes a feed's first units from the start, its imports done, with no
+    head start in the feed's process (service/server.py). Ray must be connected."""
+    import ray
+
+    for i in range(_size(size)):
+        try:
+            ray.get_actor(_name(i), namespace=NAMESPACE)
+        except ValueError:
+            return False
+    return True
+
+
 class PoolExecutor:
     """An executor over a warm pool of `size` tokenizer actors (None: the cluster's CPUs; see
     module); with `ready`, its executions wait for Ray to be connected."""
 
     startup_s = 1.0  # to its first block, for the head start (warm: 1.1-1.5 s on 8 MB units)
+    tokenizes_here = False  # a Feed whose first units it makes loads its tokenizer on a thread
 
     def __init__(self, size: int | None, idle_s: float = 300.0, ready: Future | None = None):
         self.size, self.idle_s, self.ready = size, idle_s, ready

@@ -434,6 +434,9 @@ class LoadedTokenizer:
     verify_fraction: float = 0.01
     guarantees: FastGuarantees | None = None
     split_guard: SplitGuard | None = None
+    # The tokenizer.json `tokenizer` was read from unchanged (but for the flag), with its
+    # (size, mtime_ns) then: the glue copy is read from it again (`with_specials`).
+    source: tuple[Path, tuple[int, int]] | None = None
     # The glue tokenizer, once built (see the class docstring); written under _GLUE_LOCK only.
     _glue: list = field(default_factory=list, repr=False, compare=False)
 
@@ -447,10 +450,40 @@ class LoadedTokenizer:
                 if not self._glue:
                     from tokenizers import Tokenizer
 
-                    glue = Tokenizer.from_str(self.tokenizer.to_str())
+                    glue = self._reread() or Tokenizer.from_str(self.tokenizer.to_str())
                     glue.encode_special_tokens = False  # before anyone else can see it
                     self._glue.append(glue)
         return self._glue[0]
+
+    def _reread(self) -> Tokenizer | None:
+        """The tokenizer read again from its file if that is unchanged since the load: the
+        same tokenizer as a copy through `to_str`, which holds the GIL (the feed's start
+        stalled on it); `from_file` lets go of it while it parses (`read_text` + `from_str`
+        and `from_buffer` do not)."""
+        if self.source is None:
+            return None
+        from tokenizers import Tokenizer
+
+        path, seen = self.source
+
+        def stamp() -> tuple[int, int] | None:
+            try:
+                st = path.stat()
+            except OSError:
+                return None
+            return st.st_size, st.st_mtime_ns
+
+        if stamp() != seen:
+            return None  # rewritten since: copy the loaded one instead
+        glue = Tokenizer.from_file(str(path))
+        return glue if stamp() == seen else None
+
+    def glue_in_background(self) -> None:
+        """Start building the glue copy (`with_specials`) on a thread, for a feed with a chat
+        stream: its first unit then finds it made, instead of the first step waiting for it
+        (from_str lets go of the GIL, so the build runs beside the feed's start)."""
+        if not self._glue:
+            threading.Thread(target=self.with_specials, name="tokenmill-glue", daemon=True).start()
 
     def describe(self) -> str:
         """One line on what was loaded, for `tokenmill check`."""
@@ -813,5 +846,17 @@ def _load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
         verify_fraction=cfg.verify_fraction,
         guarantees=guarantees,
         split_guard=guard,
+        source=_stamp(source),
     )
     return loaded
+
+
+def _stamp(source: Path | None) -> tuple[Path, tuple[int, int]] | None:
+    """`source` with its (size, mtime_ns) now (LoadedTokenizer.source), None if unreadable."""
+    if source is None:
+        return None
+    try:
+        st = source.stat()
+    except OSError:
+        return None
+    return source, (st.st_size, st.st_mtime_ns)
