@@ -16,8 +16,6 @@ most of a ~100 MB export, with the feed idle. Here the feed's process tokenizes 
 - once Ray is up, the executor starts only if the local thread, at its pace so far, would
   not make everything left before the executor's first block could come (its `startup_s`:
   Ray Data's fresh workers ~4 s here, a warm pool ~1 s); otherwise it waits and looks again.
-  Without a pace yet it waits up to FIRST_PACE_S for the local thread's first unit (a warm
-  pool started blind took the cores from a service's first step, on units needed last);
   (A cold export whose Ray came up 7 s in, with 2 of 8 s of local work left, took 15.5-16.5 s
   instead of ~9.4 s: Ray Data's workers starting took the CPU from the feed, and delivered
   nothing it still needed.);
@@ -60,7 +58,6 @@ MAX_AHEAD = 8  # blocks made ahead of the consumer before either side stops clai
 # and ~7 s on a cold embedded one; the lower end, so the executor is rather started early.
 EXECUTOR_STARTUP_S = 4.0
 RECHECK_S = 0.5  # how often a waiting executor looks at the local thread's pace again
-FIRST_PACE_S = 0.5  # how long a ready executor waits for the local thread's first pace
 
 
 class HeadStart:
@@ -84,7 +81,6 @@ class HeadStart:
         self._work_before = np.concatenate([[0], np.cumsum([u.work for u in units])])
         self._local_bytes = 0  # input bytes of the units the local thread made
         self._local_since: float | None = None  # when it claimed its first
-        self._born = time.monotonic()
         self.startup_s = float(getattr(executor, "startup_s", EXECUTOR_STARTUP_S))
         self._runs: list = []  # executions, for close()
         self.first_local_at: float | None = None
@@ -156,11 +152,7 @@ class HeadStart:
         """Whether the local thread, at its pace so far, makes every unclaimed unit before an
         execution started now could deliver its first block (see module). Under the lock."""
         if not self._local_bytes or self._local_since is None:
-            # No pace yet: wait for the local thread's first unit, up to FIRST_PACE_S. Started
-            # blind, a warm pool's actors tokenized back units while the service's first step
-            # waited for the front ones on the same cores; with a pace, it starts only if the
-            # local thread cannot finish first.
-            return self.startup_s > 0 and time.monotonic() - self._born < FIRST_PACE_S
+            return False  # no pace yet: start the executor
         rate = self._local_bytes / max(time.monotonic() - self._local_since, 1e-6)
         left = int(self._work_before[self._back] - self._work_before[self._front])
         return left / rate < self.startup_s
