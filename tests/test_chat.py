@@ -174,3 +174,33 @@ def test_the_glue_copy_read_again_from_the_file_is_the_loaded_tokenizer(tmp_path
     assert tok._reread() is None  # rewritten (a new mtime): never read
     text = "<|im_start|>user\nhi<|im_end|>"
     assert tok.with_specials().encode(text, add_special_tokens=False).ids[0] == IM_START
+
+
+def test_glue_ids_are_the_glue_copys_and_the_next_process_reads_them(tmp_path, monkeypatch):
+    """Template glue is encoded once per distinct text and remembered in a file keyed by the
+    tokenizer file's content: a fresh load (another process) gets the same ids without
+    building the glue copy; a damaged file is ignored and written again."""
+    import shutil
+
+    from pipeline.config import TokenizerConfig
+    from pipeline.tokenize.engines import _load_tokenizer
+    from pipeline.tokenize.files import default_tokenizer_file
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tokenizer.json"
+    shutil.copy(default_tokenizer_file(), path)
+    cfg = TokenizerConfig(name=str(path), backend="hf")
+    texts = ["<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>\n", ""]
+    first = _load_tokenizer(cfg)
+    got = first.encode_glue(texts + texts[:1])
+    copy = first.with_specials()
+    assert got == [e.ids for e in copy.encode_batch(texts + texts[:1], add_special_tokens=False)]
+    assert got[0][0] == IM_START and got[3] == []
+    files = list((tmp_path / "cache" / "glue").glob("*.json"))
+    assert len(files) == 1
+    again = _load_tokenizer(cfg)  # as a new process would: nothing loaded yet
+    assert again.encode_glue(texts) == got[:4] and not again._glue, "read, not re-encoded"
+    files[0].write_text("{not json")
+    third = _load_tokenizer(cfg)
+    assert third.encode_glue(texts) == got[:4] and third._glue  # encoded afresh
+    assert json.loads(files[0].read_text())[texts[0]] == got[0]  # and written again

@@ -150,10 +150,9 @@ class ChatEncoder:
         return ids, backends, failed
 
     def _glue(self, texts: list[str]) -> list[list[int]]:
-        """Template glue, with special tokens recognised (the tokenizer's glue copy)."""
-        glue = self.tok.with_specials()
-        fast = getattr(glue, "encode_batch_fast", glue.encode_batch)
-        return [e.ids for e in fast(texts, add_special_tokens=False)]
+        """Template glue, with special tokens recognised (the tokenizer's glue copy; each
+        distinct text once, remembered across processes: LoadedTokenizer.encode_glue)."""
+        return self.tok.encode_glue(texts)
 
     def encode(self, conversations: list[list[dict]]) -> list[tuple[np.ndarray, np.ndarray] | str]:
         """Per conversation: (ids int32, loss int8), or a reason string if it cannot render."""

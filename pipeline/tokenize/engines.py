@@ -402,6 +402,8 @@ class FastBackendError(ValueError):
 
 # Guards the one-time build of every LoadedTokenizer's glue tokenizer (`with_specials`).
 _GLUE_LOCK = threading.Lock()
+_GLUE_IDS_LOCK = threading.Lock()
+GLUE_KEEP = 4096  # glue texts kept per tokenizer (LoadedTokenizer.encode_glue)
 
 
 @dataclass(frozen=True)
@@ -437,6 +439,10 @@ class LoadedTokenizer:
     # The tokenizer.json `tokenizer` was read from unchanged (but for the flag), with its
     # (size, mtime_ns) then: the glue copy is read from it again (`with_specials`).
     source: tuple[Path, tuple[int, int]] | None = None
+    # Glue ids by text (`encode_glue`), this process's: filled from the glue file and by
+    # encoding what it lacks; written under _GLUE_IDS_LOCK only.
+    _glue_ids: dict = field(default_factory=dict, repr=False, compare=False)
+    _glue_key: list = field(default_factory=list, repr=False, compare=False)
     # The glue tokenizer, once built (see the class docstring); written under _GLUE_LOCK only.
     _glue: list = field(default_factory=list, repr=False, compare=False)
 
@@ -481,9 +487,84 @@ class LoadedTokenizer:
     def glue_in_background(self) -> None:
         """Start building the glue copy (`with_specials`) on a thread, for a feed with a chat
         stream: its first unit then finds it made, instead of the first step waiting for it
-        (from_str lets go of the GIL, so the build runs beside the feed's start)."""
-        if not self._glue:
+        (the parse lets go of the GIL, so it runs beside the feed's start). Not where a glue
+        file holds this tokenizer's glue already (`encode_glue`): likely no copy is needed."""
+        path = self._glue_file()
+        if not self._glue and not (path is not None and path.exists()):
             threading.Thread(target=self.with_specials, name="tokenmill-glue", daemon=True).start()
+
+    def encode_glue(self, texts: list[str]) -> list[list[int]]:
+        """Chat template glue as ids, special tokens recognised (the glue copy's encoding).
+
+        A template's glue is a handful of distinct strings ("<|im_start|>user\n", ...): each
+        is encoded once and kept, in this process and in a file under the cache directory
+        named by the tokenizer file's sha256 and the tokenizers version, so that the next
+        process (a worker, a service's actor) reads them instead of building the glue copy
+        (~0.45 CPU-s and ~50 MB for cl100k). A text it lacks is encoded by the copy, as
+        before. The ids are the copy's own: the file only remembers them. Past GLUE_KEEP
+        texts (a template whose glue varies with the records) nothing more is kept."""
+        ids = self._glue_ids
+        with _GLUE_IDS_LOCK:
+            if not ids:
+                ids.update(self._read_glue_file())
+            missing = list(dict.fromkeys(t for t in texts if t not in ids))
+        if not missing:
+            return [ids[t] for t in texts]
+        glue = self.with_specials()
+        fast = getattr(glue, "encode_batch_fast", glue.encode_batch)
+        made = {
+            t: e.ids for t, e in zip(missing, fast(missing, add_special_tokens=False), strict=True)
+        }
+        with _GLUE_IDS_LOCK:
+            if len(ids) + len(made) <= GLUE_KEEP:
+                ids.update(made)
+                self._write_glue_file(ids)
+        return [made[t] if t in made else ids[t] for t in texts]
+
+    def _glue_file(self) -> Path | None:
+        """Where this tokenizer's glue ids persist; None unless it was read from a file that
+        is unchanged since (its sha256 names the file, with the tokenizers version)."""
+        if self.source is None:
+            return None
+        if not self._glue_key:
+            path, seen = self.source
+            try:
+                data = path.read_bytes()
+                st = path.stat()
+            except OSError:
+                return None
+            if (st.st_size, st.st_mtime_ns) != seen:
+                return None
+            import tokenizers
+
+            digest = hashlib.sha256(data).hexdigest()[:32]
+            self._glue_key.append(f"{digest}-tokenizers{tokenizers.__version__}")
+        from pipeline.tokenize.files import cache_dir
+
+        return cache_dir() / "glue" / f"{self._glue_key[0]}.json"
+
+    def _read_glue_file(self) -> dict[str, list[int]]:
+        path = self._glue_file()
+        try:
+            found = json.loads(path.read_text(encoding="utf-8")) if path is not None else {}
+        except (OSError, ValueError):
+            return {}  # none yet, or unreadable: encoded afresh (and written again)
+        ok = isinstance(found, dict) and all(
+            isinstance(v, list) and all(isinstance(i, int) for i in v) for v in found.values()
+        )
+        return found if ok else {}
+
+    def _write_glue_file(self, ids: dict[str, list[int]]) -> None:
+        path = self._glue_file()
+        if path is None:
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_text(json.dumps(ids), encoding="utf-8")
+            os.replace(tmp, path)  # whole or not at all, whoever writes at the same time
+        except OSError:
+            pass  # a read-only cache: kept in this process only
 
     def describe(self) -> str:
         """One line on what was loaded, for `tokenmill check`."""
