@@ -114,6 +114,9 @@ def run_demo(steps: int = 60, out: str | None = None, address: str | None = None
         "loss_first": train["loss_first"],
         "loss_last": train["loss_last"],
         "streams": metrics["streams"],
+        # The ranks' loss per stream (trainer.train reports it each step), over the last
+        # steps the service joined: what `mixing` would follow (docs, "When a run misbehaves").
+        "stream_loss": {n: v["loss"] for n, v in metrics["stream_loss"]["streams"].items()},
         "train_log": str(log_json),
     }
     print_demo_summary(summary)
@@ -128,9 +131,14 @@ def print_demo_summary(s: dict) -> None:
     print(f"data wait          {100 * s['data_wait_fraction']:.2f}% of step time (steady state; "
           f"first step waited {s['first_step_wait_s']:.1f}s for the service to start)")  # fmt: skip
     print(f"loss               {s['loss_first']:.3f} -> {s['loss_last']:.3f}")
-    print(f"{'stream':<10}{'target':>8}{'realized':>10}{'tokens':>12}{'docs':>8}{'skipped':>9}")
+    print(f"{'stream':<10}{'target':>8}{'realized':>10}{'tokens':>12}{'docs':>8}{'skipped':>9}"
+          f"{'loss':>8}")  # fmt: skip
     for name, m in s["mixture"].items():
         st = s["streams"][name]
+        loss = (s.get("stream_loss") or {}).get(name)
+        shown = "-" if loss is None else f"{loss:.3f}"
         print(
-            f"{name:<10}{m['target']:>8.3f}{m['realized']:>10.3f}{st['tokens']:>12,}{st['docs']:>8,}{st['skipped']:>9,}"
+            f"{name:<10}{m['target']:>8.3f}{m['realized']:>10.3f}{st['tokens']:>12,}"
+            f"{st['docs']:>8,}{st['skipped']:>9,}{shown:>8}"
         )
+    print("(loss: the ranks' mean loss per stream over the last steps they reported)")

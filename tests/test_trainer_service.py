@@ -95,3 +95,6 @@ def test_demo_main_job_summary(ray_cluster, tmp_path):
     assert set(s["mixture"]) == {"code", "chat"} and s["steps"] == 3
     assert s["mixture"]["code"]["target"] == pytest.approx(0.7)
     assert "packing" in r.stdout and "data wait" in r.stdout
+    # the ranks' loss per stream, reported each step and joined by the service (issue 27)
+    assert set(s["stream_loss"]) == {"code", "chat"}
+    assert all(v is not None and 0 < v < 20 for v in s["stream_loss"].values()), s["stream_loss"]
