@@ -363,3 +363,27 @@ def test_laned_ranks_resuming_from_a_state_go_on_as_the_export(streams, ray_clus
         for s, ids, labels in taken:
             np.testing.assert_array_equal(ids, want[(s, r)][0])
             np.testing.assert_array_equal(labels, want[(s, r)][1])
+
+
+@pytest.mark.slow
+def test_two_laned_exports_at_once_are_each_the_lone_run(streams, ray_cluster, tmp_path):
+    """Two laned exports of different seeds at the same time on one cluster (four lane
+    actors at once): each writes the bytes of its lone in-process run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    runs = {"a": config(streams, 2), "b": config(streams, 2, seed=99)}
+    for name, cfg in runs.items():
+        run_export(cfg, tmp_path / f"lone-{name}", steps=6, executor=iter_blocks_local)
+    with ThreadPoolExecutor(2) as pool:
+        done = [
+            pool.submit(run_export, cfg, tmp_path / name, steps=6) for name, cfg in runs.items()
+        ]
+        for f in done:
+            f.result()
+    for name in runs:
+        for step in range(6):
+            a, b = (read_step(step_path(tmp_path / d, step, 0, "parquet"))
+                    for d in (name, f"lone-{name}"))  # fmt: skip
+            assert a.equals(b), (name, step)
+    lone_a = read_step(step_path(tmp_path / "lone-a", 0, 0, "parquet"))
+    assert not lone_a.equals(read_step(step_path(tmp_path / "lone-b", 0, 0, "parquet")))
