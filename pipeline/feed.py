@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -46,6 +47,20 @@ from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
 from wire.schema import build_batch, with_metadata
 
 
+@dataclass(frozen=True)
+class LeaveOut:
+    """Documents a run leaves out from a step on (issue 27): ids per stream (`doc_id`, see
+    pipeline/inspect/provenance.py) and why, for the state's log ("--skip-steps 41230-41240").
+
+    The rule: they are dropped where they leave the shuffle, in every epoch; every other
+    document enters the packer in the order it would have. Rows change from there (the
+    packer fills them with the others), the mixture stays exact, and the run stays a pure
+    function of its state, which carries them."""
+
+    docs: dict[str, frozenset[int]]
+    why: str
+
+
 class Feed:
     """The global step sequence of a config. `executor` reads and tokenizes: Ray Data
     (`reading.iter_blocks_ray`, the default) or this process (`reading.iter_blocks_local`);
@@ -62,9 +77,12 @@ class Feed:
         state: dict | None = None,
         allow_config_change: bool = False,
         lane: int | None = None,
+        leave_out: LeaveOut | None = None,
     ):
         """With `cfg.lanes` K > 1 this is lane `lane`: its share of every stream and its
-        G/K rows of every step (pipeline/lanes.py joins the lanes into global steps)."""
+        G/K rows of every step (pipeline/lanes.py joins the lanes into global steps).
+        `leave_out`: documents to leave out from this step on (a resume's `--skip-steps`,
+        `--skip-docs`), added to those the state already leaves out."""
         if lane is None:
             if cfg.lanes > 1:
                 raise ValueError(
@@ -107,6 +125,8 @@ class Feed:
             state = check_state(state, self.config_hash, self.names, allow_config_change,
                                 cfg.packing.mode)  # fmt: skip
             self.set_state(state)
+        if leave_out is not None:
+            self.packer.leave_out(leave_out.docs, self.step, leave_out.why)
         for s in self.streams:
             s.start()  # every stream's reading begins now, concurrently
         self.packer.replay()  # a resume's held documents (a changed source fails here)

@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import Config, normalize_weights
-from pipeline.feed import Feed, next_steps
+from pipeline.feed import Feed, LeaveOut, next_steps
 from pipeline.read.reading import iter_blocks_local, iter_blocks_ray, with_head_start
 from pipeline.stages.documents import Reject
 from pipeline.stages.mixing import DeficitMixer
@@ -76,14 +76,15 @@ class LaneWorker:
     """One lane's feed, in the process that runs it (a Ray actor, or this one)."""
 
     def __init__(self, cfg_json: dict, lane: int, state: dict | None, allow_config_change: bool,
-                 full_batches: bool, local: bool, ipc: bool):  # fmt: skip
+                 full_batches: bool, local: bool, ipc: bool,
+                 leave_out: LeaveOut | None = None):  # fmt: skip
         cfg = Config.model_validate(cfg_json)
         # `read.in_lanes`: the lane reads and tokenizes its share itself, no block crosses a
         # process (K lanes are K tokenizing processes); else through Ray Data's tasks.
         local = local or cfg.read.in_lanes
         executor = iter_blocks_local if local else iter_blocks_ray
         first = None if local else with_head_start(executor)
-        self.feed = Feed(cfg, executor, first, state=state,
+        self.feed = Feed(cfg, executor, first, state=state, leave_out=leave_out,
                          allow_config_change=allow_config_change, lane=lane)  # fmt: skip
         self.feed.full_batches = full_batches
         self.ipc = ipc
@@ -172,7 +173,8 @@ class LanedFeed:
                  allow_config_change: bool = False, full_batches: bool = True,
                  state_every: int = 0,
                  on_reject: Callable[[Reject], None] | None = None,
-                 wait_for_figures: bool = True):  # fmt: skip
+                 wait_for_figures: bool = True,
+                 leave_out: LeaveOut | None = None):  # fmt: skip
         self.cfg = cfg
         self.names = list(cfg.streams)
         self.config_hash = cfg.config_hash()
@@ -201,8 +203,9 @@ class LanedFeed:
         # Lanes make steps in the compact layout when this feed does; a step whose lanes
         # differ in layout (one kept labels it could not derive) is joined in full, then
         # compacted again (`_join`).
-        args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local)
-                for k in range(K)]  # fmt: skip
+        # Documents to leave out go to every lane: each meets only its own.
+        args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local,
+                 leave_out) for k in range(K)]  # fmt: skip
         self.lanes: list[_Local | _Actor]
         if local:
             self.lanes = [_Local(LaneWorker(*a)) for a in args]

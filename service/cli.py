@@ -152,12 +152,13 @@ def cmd_export(args) -> int:
         ready = connect_in_background(args.address)
     cfg = load_config(args.config)
     resume = _read_state(args.resume)
+    leave_out = _leave_out(args, cfg, resume, Path(args.out))
     executor = _executor(args, ready)
     summary = run_export(
         cfg, args.out, steps=args.steps, world_size=args.world_size, fmt=args.format,
         executor=executor, progress=_progress(), state_every=args.state_every or 0,
         resume=resume, allow_config_change=args.allow_config_change, layout=args.layout,
-        ray_ready=ready,
+        ray_ready=ready, leave_out=leave_out,
     )  # fmt: skip
     report = summary.export
     assert report is not None  # run_export sets it
@@ -213,6 +214,38 @@ def _needs_ray(ready, address: str | None, report: ExportReport) -> bool:
     return used or ready.done() or requested_address(address) is not None
 
 
+def _leave_out(args, cfg, resume: dict | None, out: Path | None = None):
+    """The documents `--skip-steps` and `--skip-docs` name (a `feed.LeaveOut`), or None.
+
+    The steps' documents come from the export's directory (`out`) where it still holds
+    those steps, else are recomputed from the `--resume` state (at or before them)."""
+    if not (args.skip_steps or args.skip_docs):
+        return None
+    from pipeline.inspect.provenance import leave_out, read_documents, steps_documents
+
+    docs: list[dict] = []
+    why = []
+    try:
+        if args.skip_steps:
+            steps = parse_steps(args.skip_steps)
+            where = out if out is not None and out.is_dir() else None
+            if where is None and resume is None:
+                raise ValueError("needs the export's directory holding those steps, or --resume")
+            docs += steps_documents(cfg, steps, out=where, state=resume)
+            why.append(f"--skip-steps {args.skip_steps}")
+        if args.skip_docs:
+            docs += read_documents(cfg, args.skip_docs)
+            why.append(f"--skip-docs {args.skip_docs}")
+    except (OSError, ValueError) as e:
+        flag = "--skip-docs" if why else ("--skip-steps" if args.skip_steps else "--skip-docs")
+        raise ConfigError(f"{flag}: {e}") from None
+    chosen = leave_out(docs, "; ".join(why))
+    count = sum(len(v) for v in chosen.docs.values())
+    print(f"tokenmill: leaving out {count} document(s) from step "
+          f"{resume['step'] if resume else 0} on ({chosen.why})", file=sys.stderr)  # fmt: skip
+    return chosen
+
+
 def _read_state(path: str | None, flag: str = "--resume") -> dict | None:
     if not path:
         return None
@@ -228,9 +261,11 @@ def cmd_serve(args) -> int:
     from service.serve import run_serve
 
     cfg = load_config(args.config)
+    resume = _read_state(args.resume)
     return run_serve(
-        cfg, resume=_read_state(args.resume), address=args.address, host=args.host,
+        cfg, resume=resume, address=args.address, host=args.host,
         port=args.port, name=args.name, allow_config_change=args.allow_config_change,
+        leave_out=_leave_out(args, cfg, resume),
     )  # fmt: skip
 
 
@@ -498,6 +533,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume a state written by a different config (recorded in the history)",
     )
+    v.add_argument(
+        "--skip-steps",
+        default=None,
+        metavar="STEPS",
+        help="leave out the documents these steps drew (41230-41240, or 3,7,9-11): recomputed from --resume, "
+        "from the resume step on, in every epoch; listed in the summary and the state",
+    )
+    v.add_argument(
+        "--skip-docs",
+        default=None,
+        metavar="FILE",
+        help="leave out the documents a file names (JSON or JSON lines of {stream, doc_id} "
+        "or {stream, source, record}: `tokenmill trace --json` output works)",
+    )
     v.set_defaults(func=cmd_serve)
 
     for verb, func, doc in (
@@ -547,6 +596,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--allow-config-change",
         action="store_true",
         help="resume a state written by a different config (logged)",
+    )
+    e.add_argument(
+        "--skip-steps",
+        default=None,
+        metavar="STEPS",
+        help="leave out the documents these steps drew (41230-41240, or 3,7,9-11): read from --out where it holds them, else recomputed from --resume, "
+        "from the resume step on, in every epoch; listed in the summary and the state",
+    )
+    e.add_argument(
+        "--skip-docs",
+        default=None,
+        metavar="FILE",
+        help="leave out the documents a file names (JSON or JSON lines of {stream, doc_id} "
+        "or {stream, source, record}: `tokenmill trace --json` output works)",
     )
     e.add_argument("--local", action="store_true", help="run in-process without Ray (debugging)")
     e.add_argument(

@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from pipeline.config import Config
-from pipeline.feed import Feed, next_steps, rank_slice
+from pipeline.feed import Feed, LeaveOut, next_steps, rank_slice
 from pipeline.lanes import LanedFeed
 from pipeline.read.reading import Executor, iter_blocks_local, ray_executor, with_head_start
 from pipeline.state.resume import check_laned_state, check_state
@@ -186,6 +186,7 @@ def run_export(
     layout: str = "compact",
     started: float | None = None,
     ray_ready: Future | None = None,
+    leave_out: LeaveOut | None = None,
 ) -> RunSummary:
     """Export up to `steps` global steps (all the data when None); return the summary, with
     the export's part (`RunSummary.export`) set.
@@ -198,6 +199,7 @@ def run_export(
     connecting in the background. `executor` reads and tokenizes: by default Ray Data, or a
     warm pool (pipeline/read/pool.py), with this process tokenizing until those workers deliver
     (pipeline/read/headstart.py); `reading.iter_blocks_local` makes everything in this process.
+    `leave_out`: documents to leave out from the first step written on (issue 27).
     """
     if cfg.global_batch_size % world_size:
         raise ValueError(
@@ -226,7 +228,8 @@ def run_export(
     full = layout == "full" or fmt == "mds"  # compact: nothing derivable
     try:
         if cfg.lanes == 1:
-            feed = Feed(cfg, executor, first, state=resume, allow_config_change=allow_config_change)
+            feed = Feed(cfg, executor, first, state=resume, allow_config_change=allow_config_change,
+                        leave_out=leave_out)  # fmt: skip
             feed.full_batches = full
         else:  # each lane reads with Ray Data in its own actor, or here with --local
             local = executor is iter_blocks_local
@@ -234,7 +237,7 @@ def run_export(
                 ray_ready.result()
             feed = LanedFeed(cfg, local=local, state=resume,
                              allow_config_change=allow_config_change, full_batches=full,
-                             state_every=state_every)  # fmt: skip
+                             state_every=state_every, leave_out=leave_out)  # fmt: skip
         feed_started = time.monotonic()  # before anything waits on the lanes
         at_start = feed.totals()  # a resumed feed's counts start at its state's
         while steps is None or files.written < steps:

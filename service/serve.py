@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.config import REVEAL_SECRETS, Config
 from service.records import (
@@ -46,13 +47,16 @@ from service.records import service_file as service_file
 from service.server import BatchServer
 from wire.protocol import CONCURRENCY_GROUPS, FAILED, NAMESPACE, SERVICE_NAME, STOPPING
 
+if TYPE_CHECKING:
+    from pipeline.feed import LeaveOut
+
 STALE_BEAT_S = 10.0  # a service whose serve process has not beaten for this long is stale
 EXIT_GRACE_S = 2.0
 
 
 def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = None,
                  prefetch: int | None = None, allow_config_change: bool = False,
-                 pool: bool = False):  # fmt: skip
+                 pool: bool = False, leave_out: LeaveOut | None = None):  # fmt: skip
     """Launch the named batch-server actor, owned by this process, and wait until it answers.
     `pool`: tokenize on the cluster's warm pool (as an export joining a running cluster does).
 
@@ -71,7 +75,7 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
     placement = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
     actor = actor_class.options(name=name, namespace=NAMESPACE, **placement).remote(
         cfg.model_dump(mode="json", context=REVEAL_SECRETS), resume, prefetch, 10_000, cfg.service.rank_timeout_s,
-        allow_config_change, pool,
+        allow_config_change, pool, leave_out,
     )  # fmt: skip
     ray.get(actor.status.remote(), timeout=120)
     return actor
@@ -127,7 +131,8 @@ class RejectsFile:
 
 def run_serve(cfg: Config, resume: dict | None = None, address: str | None = None,
               host: str | None = None, port: int | None = None, name: str = SERVICE_NAME,
-              linger_s: float = 5.0, allow_config_change: bool = False) -> int:  # fmt: skip
+              linger_s: float = 5.0, allow_config_change: bool = False,
+              leave_out: LeaveOut | None = None) -> int:  # fmt: skip
     import ray
     import uvicorn
 
@@ -147,7 +152,7 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
     try:
         # A running cluster (joined, not started here) gets the warm pool, as an export does.
         actor = start_server(cfg, name, resume, allow_config_change=allow_config_change,
-                             pool=not started)  # fmt: skip
+                             pool=not started, leave_out=leave_out)  # fmt: skip
         host = host or os.environ.get("TOKENMILL_HOST") or cfg.service.host
         port = port or int(os.environ.get("TOKENMILL_PORT", cfg.service.port))
         backend = Backend(actor)

@@ -56,7 +56,7 @@ from wire.protocol import (
 
 if TYPE_CHECKING:
     from pipeline.config import Config
-    from pipeline.feed import Feed
+    from pipeline.feed import Feed, LeaveOut
     from pipeline.lanes import LanedFeed
 
 # The pipeline is imported where it is used, not here: a rank's `ray.get_actor` loads this
@@ -103,6 +103,7 @@ class BatchServer:
         rank_timeout_s: float | None | _Default = _DEFAULT,
         allow_config_change: bool = False,
         pool: bool = False,
+        leave_out: LeaveOut | None = None,
     ):
         from pipeline.config import Config
         from pipeline.tokenize import load_tokenizer
@@ -137,14 +138,16 @@ class BatchServer:
         self._rank_jobs: dict[int, str] = {}  # rank -> its Ray job id (hello's `client`)
         self._observed: tuple[float, str] = (0.0, "")  # when and what `_observe` last kept
         self._replaying = threading.Lock()  # one provenance replay at a time (`provenance`)
-        self._start_feed(state, allow_config_change)
+        self._start_feed(state, allow_config_change, leave_out)
 
     # -- production -------------------------------------------------------------------------
 
-    def _start_feed(self, state: dict | None, allow_config_change: bool = False) -> None:
-        self._install(self._make_feed(state, allow_config_change))
+    def _start_feed(self, state: dict | None, allow_config_change: bool = False,
+                    leave_out: LeaveOut | None = None) -> None:  # fmt: skip
+        self._install(self._make_feed(state, allow_config_change, leave_out))
 
-    def _make_feed(self, state: dict | None, allow_config_change: bool = False) -> Feed | LanedFeed:
+    def _make_feed(self, state: dict | None, allow_config_change: bool = False,
+                   leave_out: LeaveOut | None = None) -> Feed | LanedFeed:  # fmt: skip
         """A Feed at `state`; a state that does not fit raises here, before anything changes.
 
         Reads as an export does: this process tokenizes the first units itself (the head
@@ -171,7 +174,7 @@ class BatchServer:
                 return LanedFeed(self.cfg, state=state, allow_config_change=allow_config_change,
                                  full_batches=False, state_every=1,
                                  on_reject=self.telemetry.add_reject,
-                                 wait_for_figures=False)  # fmt: skip
+                                 wait_for_figures=False, leave_out=leave_out)  # fmt: skip
             feed = Feed(
                 self.cfg,
                 executor,
@@ -179,6 +182,7 @@ class BatchServer:
                 state=state,
                 allow_config_change=allow_config_change,
                 on_reject=self.telemetry.add_reject,
+                leave_out=leave_out,
             )
             # Steps in the compact layout (wire/layout.py): no derivable column is built
             # here, and a rank's slice of 4 x 2048 tokens is ~35 KB instead of ~170 KB, under

@@ -193,3 +193,71 @@ def documents_of(segs: Iterable[dict]) -> list[dict]:
             seen.add(key)
             docs.append({k: s[k] for k in ("stream", "source", "record", "doc_id")})
     return docs
+
+
+def steps_documents(cfg: Config, steps: list[int], *, out: Path | None = None,
+                    state: dict | None = None) -> list[dict]:  # fmt: skip
+    """The distinct documents `steps` drew ({stream, source, record, doc_id}): from an
+    export's directory where it holds them all, else recomputed from `state` (at or before
+    the first of them)."""
+    if out is not None:
+        try:
+            return documents_of(trace(cfg, steps, out=out))
+        except FileNotFoundError:
+            if state is None:
+                raise
+    if state is None:
+        raise ValueError("the documents of steps come from an export's directory or a state")
+    return documents_of(trace(cfg, steps, state=state))
+
+
+def read_documents(cfg: Config, path: str) -> list[dict]:
+    """Documents named in a file: a JSON list or JSON lines of objects, each with `stream`
+    and either `doc_id` or `source` and `record` (what `tokenmill trace --json` prints, so
+    its output can be edited down and passed on). A line that names neither is an error
+    naming the file and the line."""
+    import json
+
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        parsed = json.loads(text)
+        entries = parsed if isinstance(parsed, list) else [parsed]
+        lines = list(range(1, len(entries) + 1))
+    except ValueError:
+        entries, lines = [], []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    entries.append(json.loads(line))
+                except ValueError as e:
+                    raise ValueError(f"{path}: line {n}: not JSON: {e}") from None
+                lines.append(n)
+    files = stream_files(cfg)
+    index = {name: {f: i for i, f in enumerate(fs)} for name, fs in files.items()}
+    docs = []
+    for n, entry in zip(lines, entries, strict=True):
+        where = f"{path}: entry {n}"
+        if not isinstance(entry, dict) or entry.get("stream") not in files:
+            raise ValueError(f"{where}: needs a 'stream' of the config {sorted(files)}")
+        stream = entry["stream"]
+        if isinstance(entry.get("doc_id"), int) and not isinstance(entry["doc_id"], bool):
+            doc_id = entry["doc_id"]
+        elif entry.get("source") in index[stream] and isinstance(entry.get("record"), int):
+            doc_id = (index[stream][entry["source"]] << RECORD_BITS) | entry["record"]
+        else:
+            raise ValueError(
+                f"{where}: needs a 'doc_id', or a 'source' (one of stream {stream!r}'s files) "
+                "and a 'record'"
+            )
+        docs.append({"stream": stream, "doc_id": doc_id})
+    return docs
+
+
+def leave_out(docs: Iterable[dict], why: str):
+    """A `feed.LeaveOut` of documents ({stream, doc_id, ...})."""
+    from pipeline.feed import LeaveOut
+
+    ids: dict[str, set[int]] = {}
+    for d in docs:
+        ids.setdefault(d["stream"], set()).add(int(d["doc_id"]))
+    return LeaveOut({k: frozenset(v) for k, v in ids.items()}, why)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import copy
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,6 +104,9 @@ FINISHED = "finished"
 CONSUMED = "consumed"  # concat: tokens of the held document already placed (None: none held)
 BASE, ARRIVALS, POOL = "base", "arrivals", "pool"  # bfd: arrival numbers (see BfdPacker)
 ROWS = "rows"  # bfd: rows made (the pool grows with them)
+# Documents left out at a resume (issue 27; absent: none): per stream the ids left out (`docs`,
+# ascending), those met so far (`met`, in the order met), and why and when each set was added.
+SKIPS, SKIP_DOCS, SKIP_MET, SKIP_LOG = "skips", "docs", "met", "log"
 
 
 class Packer:
@@ -127,6 +130,12 @@ class Packer:
         self.source_done = [False] * len(self.sources)
         self.finished = False  # the run must stop (exhaustion with on_exhausted=stop)
         self._resumed: dict | None = None  # a state set, replayed at the first row
+        # Documents left out (`leave_out`): per stream their ids, those met (distinct, in the
+        # order met), and the log of the sets added.
+        self.skip: list[set[int]] = [set() for _ in self.sources]
+        self.met: list[list[int]] = [[] for _ in self.sources]
+        self._met: list[set[int]] = [set() for _ in self.sources]
+        self.skip_log: list[dict] = []
 
     @property
     def exhausted_log(self) -> list[str]:
@@ -149,16 +158,74 @@ class Packer:
         return []
 
     def _pull(self, s: int) -> list[Segment] | None:
-        """The next document's pieces from stream `s`, or None when the stream has ended."""
+        """The next document's pieces from stream `s`; [] for a document left out (`skip`),
+        which still takes its arrival numbers (`_left_out`); None when the stream has ended."""
         while not self.source_done[s]:
             doc = next(self.sources[s], None)
             if doc is None:
                 self.source_done[s] = True
                 break
+            if doc.doc_id in self.skip[s]:
+                if doc.doc_id not in self._met[s]:
+                    self._met[s].add(doc.doc_id)
+                    self.met[s].append(doc.doc_id)
+                self._left_out(s, self._slots(doc))
+                return []
             pieces = self._pieces(doc)
             if pieces:
                 return pieces
         return None
+
+    def _slots(self, doc: Doc) -> int:
+        """How many pieces `_pieces` cuts `doc` into, without counting its overflow."""
+        n, L = len(doc), self.seq_len
+        if n <= L:
+            return 1 if n else 0
+        return {"split": -(-n // L), "truncate": 1}.get(self.overflow, 0)
+
+    def _left_out(self, s: int, slots: int) -> None:
+        """A document of stream `s` that would have been `slots` pieces was left out."""
+
+    def leave_out(self, docs: Mapping[str, Iterable[int]], step: int, why: str) -> dict[str, int]:
+        """Leave these documents (ids per stream) out from now on, in every epoch, as if
+        they had been read and dropped where they leave the shuffle: the others enter the
+        packer in the order they would have, and a left-out document still takes the arrival
+        numbers it would have (so that a state's replay is the same whichever documents are
+        left out). Pieces of them already held are dropped at the replay. Before the replay
+        (`Feed` calls it right after `set_state`). Returns how many ids each stream added."""
+        unknown = sorted(set(docs) - set(self.names))
+        if unknown:
+            raise ValueError(f"documents to leave out name streams {unknown}, not in the config")
+        added = {}
+        for s, name in enumerate(self.names):
+            new = {int(d) for d in docs.get(name, ())} - self.skip[s]
+            if new:
+                self.skip[s] |= new
+                added[name] = len(new)
+        if added:
+            self.skip_log.append({"step": int(step), "docs": added, "why": why})
+        return added
+
+    def _skips_state(self) -> dict:
+        if not any(self.skip):
+            return {}
+        return {
+            SKIPS: {
+                SKIP_DOCS: {
+                    n: sorted(self.skip[s]) for s, n in enumerate(self.names) if self.skip[s]
+                },
+                SKIP_MET: {n: list(self.met[s]) for s, n in enumerate(self.names) if self.met[s]},
+                SKIP_LOG: copy.deepcopy(self.skip_log),
+            }
+        }
+
+    def _set_skips(self, state: dict) -> None:
+        skips = state.get(SKIPS) or {}
+        for s, name in enumerate(self.names):
+            self.skip[s] = set(skips.get(SKIP_DOCS, {}).get(name, ()))
+            self.met[s] = list(skips.get(SKIP_MET, {}).get(name, ()))
+            self._met[s] = set(self.met[s])
+        self.skip_log = copy.deepcopy(skips.get(SKIP_LOG, []))
 
     def _dry(self, s: int) -> None:
         """Stream `s` has nothing left: the mixer applies `on_exhausted`."""
@@ -202,20 +269,26 @@ class Packer:
 
     def get_state(self) -> dict:
         if self._resumed is not None:  # set, not yet replayed: the state as it was set
-            return copy.deepcopy(self._resumed)
-        return {
-            STREAMS: {
-                name: {
-                    INPUT: self.sources[s].get_state(at=self._held_cursor(s)),
-                    DONE: self.source_done[s],
-                    COUNTERS: self.counters[s].as_dict(),
-                }
-                | self._stream_state(s)
-                for s, name in enumerate(self.names)
-            },
-            MIXER: self.mixer.get_state(),
-            FINISHED: self.finished,
-        } | self._own_state()
+            state = copy.deepcopy(self._resumed)
+            state.pop(SKIPS, None)
+            return state | self._skips_state()  # with the documents left out since
+        return (
+            {
+                STREAMS: {
+                    name: {
+                        INPUT: self.sources[s].get_state(at=self._held_cursor(s)),
+                        DONE: self.source_done[s],
+                        COUNTERS: self.counters[s].as_dict(),
+                    }
+                    | self._stream_state(s)
+                    for s, name in enumerate(self.names)
+                },
+                MIXER: self.mixer.get_state(),
+                FINISHED: self.finished,
+            }
+            | self._own_state()
+            | self._skips_state()
+        )
 
     def set_state(self, state: dict) -> None:
         """Position every stream at its oldest held document, and the mixer; the held
@@ -227,6 +300,7 @@ class Packer:
                 self.sources[s].set_state(st[INPUT])
         self.mixer.set_state(state[MIXER])
         self.finished = bool(state[FINISHED])
+        self._set_skips(state)
         self._resumed = state
 
     def _held_cursor(self, s: int):
@@ -255,6 +329,8 @@ class ConcatPacker(Packer):
         if self._pending[s]:
             return True
         pieces = self._pull(s)
+        while pieces == []:  # a document left out
+            pieces = self._pull(s)
         if pieces is None:
             self._dry(s)
             return False
@@ -278,6 +354,8 @@ class ConcatPacker(Packer):
             pieces = self._pull(s)
             if pieces is None:
                 raise ValueError(f"resume: stream {self.names[s]!r} has no document at its cursor")
+            if not pieces:  # the held document is left out now: its rest goes too
+                return
             self._pulled[s] = sum(p.length for p in pieces)
             pending = deque(pieces)
             while consumed > 0:
@@ -339,6 +417,7 @@ class BfdPacker(Packer):
         self.rows = 0
         self.pools = [_Pool() for _ in self.sources]
         self.arrivals = np.zeros(len(self.sources), dtype=np.int64)
+        self._left_slots: list[range] = []  # arrival numbers of left-out documents (replay)
 
     def _pool_target(self) -> int:
         """The pool fills to 32 pieces for the first `ramp_rows` rows (a global step), then
@@ -353,6 +432,8 @@ class BfdPacker(Packer):
             pieces = self._pull(s)
             if pieces is None:
                 return
+            if not pieces:  # left out (its arrival numbers taken)
+                continue
             pieces[0].doc.arrival = int(self.arrivals[s])
             for p in pieces:
                 pool.add(int(self.arrivals[s]), p)
@@ -382,9 +463,15 @@ class BfdPacker(Packer):
         super().set_state(state)
         self.rows = int(state[ROWS])
 
+    def _left_out(self, s: int, slots: int) -> None:
+        start = int(self.arrivals[s])
+        self.arrivals[s] += slots
+        self._left_slots.append(range(start, start + slots))
+
     def _replay(self, s: int, saved: dict) -> None:
         keep = set(saved[POOL])
         self.arrivals[s] = saved[BASE]
+        self._left_slots = []
         while self.arrivals[s] < saved[ARRIVALS]:
             pieces = self._pull(s)
             if pieces is None:
@@ -393,12 +480,15 @@ class BfdPacker(Packer):
                     "state buffers: its sources changed since the state was written (see the "
                     "rejects)"
                 )
+            if not pieces:  # left out: a held piece of it is dropped now
+                continue
             pieces[0].doc.arrival = int(self.arrivals[s])
             for p in pieces:
                 if int(self.arrivals[s]) in keep:
                     self.pools[s].add(int(self.arrivals[s]), p)
                 self.arrivals[s] += 1
-        if self.arrivals[s] != saved[ARRIVALS] or len(self.pools[s]) != len(keep):
+        held = len(keep - {a for r in self._left_slots for a in r})
+        if self.arrivals[s] != saved[ARRIVALS] or len(self.pools[s]) != held:
             raise ValueError(f"resume: stream {self.names[s]!r} replay does not match the state")
 
     def _first_piece(self, s: int) -> Segment:

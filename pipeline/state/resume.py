@@ -35,6 +35,7 @@ name, with the keys as constants in the stages' modules:
      feed: {rows, real_tokens, docs_emitted: {name: n}, finished},
      packer: {finished, [rows], mixer: {history, [history_dropped], target, placed, alive,
                                          weights, ...},
+              [skips: {docs: {name: [id]}, met: {name: [id]}, log}],
               streams: {name: {done, counters, consumed | base, arrivals, pool,
                                input: {window, offset, epoch,            (WindowShuffle)
                                        input: {position, reported}}}}}}  (DocSource)
@@ -236,6 +237,8 @@ def _check_fields(state: dict, packing: str) -> None:
     if packing == "bfd":
         _count(packer, packing_keys.ROWS, "packer.rows")
     _check_mixer(_type(packer, packing_keys.MIXER, dict, "packer.mixer"), names)
+    if packing_keys.SKIPS in packer:
+        _check_skips(_type(packer, packing_keys.SKIPS, dict, "packer.skips"), names)
     feed = _type(state, FEED, dict)
     _count(feed, ROWS, "feed.rows")
     _count(feed, REAL_TOKENS, "feed.real_tokens")
@@ -270,6 +273,40 @@ def _check_stream(streams: dict, name: str, packing: str) -> None:
         _count(st, packing_keys.BASE, f"{where}.base")
         _count(st, packing_keys.ARRIVALS, f"{where}.arrivals")
         _counts(st, packing_keys.POOL, f"{where}.pool")
+
+
+def _check_skips(skips: dict, names: list[str]) -> None:
+    """Documents left out (packing.leave_out): ids per stream (ascending, distinct), those
+    met (each one of them, once), and the log of the sets added."""
+    docs = _type(skips, packing_keys.SKIP_DOCS, dict, "packer.skips.docs")
+    met = _type(skips, packing_keys.SKIP_MET, dict, "packer.skips.met")
+    for key, table in (("docs", docs), ("met", met)):
+        unknown = sorted(set(table) - set(names))
+        if unknown:
+            raise StateError(
+                f"resume state: packer.skips.{key} names streams {unknown}, not the state's"
+            )
+        for name in table:
+            _counts(table, name, f"packer.skips.{key}.{name}")
+    for name, ids in docs.items():
+        if any(a >= b for a, b in zip(ids, ids[1:], strict=False)):
+            raise StateError(
+                f"resume state: packer.skips.docs.{name} must be ascending and distinct"
+            )
+    for name, ids in met.items():
+        if len(set(ids)) != len(ids) or not set(ids) <= set(docs.get(name, ())):
+            raise StateError(
+                f"resume state: packer.skips.met.{name} must list distinct documents of "
+                f"packer.skips.docs.{name}"
+            )
+    for i, entry in enumerate(_type(skips, packing_keys.SKIP_LOG, list, "packer.skips.log")):
+        where = f"packer.skips.log.{i}"
+        entry = _type({"e": entry}, "e", dict, where)
+        _count(entry, "step", f"{where}.step")
+        _type(entry, "why", str, f"{where}.why")
+        counts = _type(entry, "docs", dict, f"{where}.docs")
+        if not all(_is_count(v) for v in counts.values()):
+            raise StateError(f"resume state: {where}.docs must be counts")
 
 
 def _check_mixer(mixer: dict, names: list[str]) -> None:

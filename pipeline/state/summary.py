@@ -191,6 +191,9 @@ class RunSummary:
     tokenizer_guarantees: dict | None
     first_reads: FirstReads
     export: ExportReport | None = None  # set by an export (service/export.py)
+    # Documents left out at a resume (issue 27): per stream how many were named and those
+    # met so far (file, record, doc_id), and the log of when and why; None: none.
+    left_out: dict | None = None
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -201,6 +204,8 @@ class RunSummary:
         out = asdict(self)
         del out["first_reads"]  # clock readings; an export reports them as `phases`
         out["skipped"] = self.skipped
+        if out["left_out"] is None:
+            del out["left_out"]
         export = out.pop("export")
         if export is None:
             return out
@@ -253,7 +258,23 @@ def summarize(feed) -> RunSummary:
         config_hash=feed.config_hash,
         tokenizer_guarantees=_guarantees(feed.cfg),
         first_reads=_first_reads(feed.streams),
+        left_out=left_out(feed),
     )
+
+
+def left_out(feed) -> dict | None:
+    """The documents a feed leaves out (`Feed(leave_out=...)`), for its summary."""
+    p = feed.packer
+    if not any(p.skip):
+        return None
+    streams = {}
+    for s, name in enumerate(feed.names):
+        if p.skip[s]:
+            files = feed.streams[s].files
+            met = [{"source": files[d >> 32] if d >> 32 < len(files) else f"<file {d >> 32}>",
+                    "record": d & 0xFFFFFFFF, "doc_id": d} for d in p.met[s]]  # fmt: skip
+            streams[name] = {"named": len(p.skip[s]), "met": met}
+    return {"streams": streams, "log": list(p.skip_log)}
 
 
 def _guarantees(cfg) -> dict | None:
