@@ -623,4 +623,5 @@ class BatchServer:
                 "history": tel.history_view(),
                 "observations": tel.observations_view(),
                 "stream_loss": self.losses.view(),
+                "left_out": s.left_out,  # documents a resume left out (--skip-steps, --skip-docs)
             }

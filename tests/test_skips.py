@@ -7,6 +7,7 @@ the state carries them, so a run resumed again leaves them out too."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -195,3 +196,31 @@ def test_lanes_leave_out_the_same_documents(tmp_path):
     assert not docs(made) & named and docs(made) <= every
     again = run(state=made[4][1])  # the state after step 5 carries what is left out
     assert [batch_bytes(b) for b, _ in again] == [batch_bytes(b) for b, _ in made[5:]]
+
+
+@pytest.mark.slow
+def test_a_service_resumed_leaving_documents_out_serves_none_of_them(corpus, ray_cluster):
+    """`serve --resume STATE --skip-steps`: the batch server starts from the state with the
+    documents left out; no step it serves holds one, its provenance (recomputed from a kept
+    state too) agrees, and /v1/metrics says what was left out and why."""
+    from service.server import BatchServer
+
+    cfg = config(corpus, "bfd")
+    whole, _ = _run(cfg, state_every=1)
+    named = {d for _, d in _docs(cfg, whole[4:7], 4)}
+    out = LeaveOut({"code": frozenset(named)}, "--skip-steps 4-6")
+    srv = BatchServer(cfg.model_dump(mode="json"), state=whole[3][1], prefetch=3, leave_out=out)
+    try:
+        served = set()
+        for step in range(4, 12):
+            deadline = time.time() + 60
+            while not srv.get(0, 1, step, 1.0).ready:
+                assert time.time() < deadline
+            served |= {s["doc_id"] for s in srv.provenance(step, 1)}
+        assert served and not served & named
+        assert {s["doc_id"] for s in srv.provenance(5, 1)} <= served  # from a kept state
+        left = srv.metrics()["left_out"]
+        assert left["log"][0]["why"] == "--skip-steps 4-6"
+        assert left["streams"]["code"]["named"] == len(named)
+    finally:
+        srv.close()
