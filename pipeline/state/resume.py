@@ -49,6 +49,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import fields
 
 from pipeline.stages import documents as doc_keys
@@ -275,6 +276,17 @@ def _check_stream(streams: dict, name: str, packing: str) -> None:
         _counts(st, packing_keys.POOL, f"{where}.pool")
 
 
+def _entries(obj: dict, key: str, where: str, text: str) -> Iterator[tuple[dict, str]]:
+    """A log's entries (the mixture history, the skip log) and their paths: each an object
+    with a `step` count and a string `text` (its source, its why)."""
+    for i, entry in enumerate(_type(obj, key, list, where)):
+        at = f"{where}.{i}"
+        entry = _type({"e": entry}, "e", dict, at)
+        _count(entry, "step", f"{at}.step")
+        _type(entry, text, str, f"{at}.{text}")
+        yield entry, at
+
+
 def _check_skips(skips: dict, names: list[str]) -> None:
     """Documents left out (packing.leave_out): ids per stream (ascending, distinct), those
     met (each one of them, once), and the log of the sets added."""
@@ -299,11 +311,7 @@ def _check_skips(skips: dict, names: list[str]) -> None:
                 f"resume state: packer.skips.met.{name} must list distinct documents of "
                 f"packer.skips.docs.{name}"
             )
-    for i, entry in enumerate(_type(skips, packing_keys.SKIP_LOG, list, "packer.skips.log")):
-        where = f"packer.skips.log.{i}"
-        entry = _type({"e": entry}, "e", dict, where)
-        _count(entry, "step", f"{where}.step")
-        _type(entry, "why", str, f"{where}.why")
+    for entry, where in _entries(skips, packing_keys.SKIP_LOG, "packer.skips.log", "why"):
         counts = _type(entry, "docs", dict, f"{where}.docs")
         if not all(_is_count(v) for v in counts.values()):
             raise StateError(f"resume state: {where}.docs must be counts")
@@ -325,11 +333,7 @@ def _check_mixer(mixer: dict, names: list[str]) -> None:
         raise StateError("resume state: packer.mixer.exhausted must be a list of strings")
     if mixing_keys.HISTORY_DROPPED in mixer:
         _count(mixer, mixing_keys.HISTORY_DROPPED, "packer.mixer.history_dropped")
-    for i, change in enumerate(_type(mixer, mixing_keys.HISTORY, list, "packer.mixer.history")):
-        where = f"packer.mixer.history.{i}"
-        change = _type({"c": change}, "c", dict, where)
-        _count(change, "step", f"{where}.step")
-        _type(change, "source", str, f"{where}.source")
+    for change, where in _entries(mixer, mixing_keys.HISTORY, "packer.mixer.history", "source"):
         weights = _type(change, "weights", dict, f"{where}.weights")
         if not weights or not all(weight(v) for v in weights.values()):
             raise StateError(f"resume state: {where}.weights must be finite numbers >= 0")
