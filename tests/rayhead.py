@@ -23,13 +23,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_listening(port: int, timeout: float = 120.0) -> None:
+def wait_listening(port: int, timeout: float = 120.0, alive=None) -> None:
+    """Until something listens on `port`; ChildProcessError if `alive` (a Popen) exits first."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=2):
                 return
         except OSError:
+            if alive is not None and alive.poll() is not None:
+                raise ChildProcessError(f"the process exited ({alive.returncode})") from None
             time.sleep(0.5)
     raise TimeoutError(f"nothing listens on {port}")
 
@@ -83,21 +86,33 @@ def serve_process(config, address: str, name: str, cwd, env: dict | None = None)
 def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
     """Yields {"gcs", "dashboard", "temp"}; `temp` is the cluster's --temp-dir (short: AF_UNIX
     paths are <= 107 bytes), where it also writes its `ray_current_cluster` file."""
-    gcs, dash = free_port(), free_port()
     own = temp is None
     temp = temp or tempfile.mkdtemp(prefix="tm", dir="/tmp")
-    proc = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
-         "--num-cpus=1", "--object-store-memory=200000000", f"--include-dashboard={str(dashboard).lower()}",
-         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}",
-         # Its own agent ports: another cluster may hold the defaults (52365...), and a
-         # second agent that cannot bind leaves "No available agent to submit job".
-         f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-         f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
-    )  # fmt: skip
+    # Ports are picked free and then bound by `ray start`: another process may take one in
+    # between. A head that exits while starting, or whose port (the dashboard's) does not
+    # open, is stopped and started again with new ports, once.
+    for attempt in (1, 2):
+        gcs, dash = free_port(), free_port()
+        proc = subprocess.Popen(
+            [RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
+             "--num-cpus=1", "--object-store-memory=200000000", f"--include-dashboard={str(dashboard).lower()}",
+             f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}",
+             # Its own agent ports: another cluster may hold the defaults (52365...), and a
+             # second agent that cannot bind leaves "No available agent to submit job".
+             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+        )  # fmt: skip
+        try:
+            wait_listening(dash if dashboard else gcs, timeout=90.0, alive=proc)
+            break
+        except (ChildProcessError, TimeoutError) as e:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            if attempt == 2:
+                raise TimeoutError(f"ray start --head did not come up, twice: {e}") from None
     try:
-        wait_listening(dash if dashboard else gcs)
         yield {"gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dash}", "temp": temp}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
