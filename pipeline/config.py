@@ -92,7 +92,8 @@ _DIGESTS: dict[str, tuple[tuple, str]] = {}
 _DIGESTS_LOCK = threading.Lock()
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """The sha256 of a file's bytes, hashed again only when its stat changes."""
     st = path.stat()
     signature = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
     key = str(path)
@@ -117,7 +118,7 @@ def tokenizer_digest(name: str) -> str | None:
         return None
     path = Path(name).expanduser()
     if path.is_file():
-        return _file_digest(path)
+        return file_digest(path)
     files: dict[str, Path] = {}
     if path.is_dir():
         files = {f: path / f for f in TOKENIZER_FILE_NAMES if (path / f).is_file()}
@@ -135,7 +136,7 @@ def tokenizer_digest(name: str) -> str | None:
         return None
     h = hashlib.sha256()
     for f in sorted(files):
-        h.update(f"{f}\0{_file_digest(files[f])}\0".encode())
+        h.update(f"{f}\0{file_digest(files[f])}\0".encode())
     return h.hexdigest()
 
 

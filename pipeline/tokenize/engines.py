@@ -466,23 +466,25 @@ class LoadedTokenizer:
         same tokenizer as a copy through `to_str`, which holds the GIL (the feed's start
         stalled on it); `from_file` lets go of it while it parses (`read_text` + `from_str`
         and `from_buffer` do not)."""
-        if self.source is None:
-            return None
+        path = self._unchanged_source()
+        if path is None:
+            return None  # rewritten since: copy the loaded one instead
         from tokenizers import Tokenizer
 
-        path, seen = self.source
-
-        def stamp() -> tuple[int, int] | None:
-            try:
-                st = path.stat()
-            except OSError:
-                return None
-            return st.st_size, st.st_mtime_ns
-
-        if stamp() != seen:
-            return None  # rewritten since: copy the loaded one instead
         glue = Tokenizer.from_file(str(path))
-        return glue if stamp() == seen else None
+        return glue if self._unchanged_source() is not None else None
+
+    def _unchanged_source(self) -> Path | None:
+        """The tokenizer.json `tokenizer` was read from, if its (size, mtime) are as at the
+        load; else None (none, gone, or rewritten since)."""
+        if self.source is None:
+            return None
+        path, seen = self.source
+        try:
+            st = path.stat()
+        except OSError:
+            return None
+        return path if (st.st_size, st.st_mtime_ns) == seen else None
 
     def glue_in_background(self) -> None:
         """Start building the glue copy (`with_specials`) on a thread, for a feed with a chat
@@ -524,20 +526,18 @@ class LoadedTokenizer:
     def _glue_file(self) -> Path | None:
         """Where this tokenizer's glue ids persist; None unless it was read from a file that
         is unchanged since (its sha256 names the file, with the tokenizers version)."""
-        if self.source is None:
-            return None
         if not self._glue_key:
-            path, seen = self.source
-            try:
-                data = path.read_bytes()
-                st = path.stat()
-            except OSError:
-                return None
-            if (st.st_size, st.st_mtime_ns) != seen:
+            path = self._unchanged_source()
+            if path is None:
                 return None
             import tokenizers
 
-            digest = hashlib.sha256(data).hexdigest()[:32]
+            from pipeline.config import file_digest  # cached: the config hash computed it
+
+            try:
+                digest = file_digest(path)[:32]
+            except OSError:
+                return None
             self._glue_key.append(f"{digest}-tokenizers{tokenizers.__version__}")
         from pipeline.tokenize.files import cache_dir
 
