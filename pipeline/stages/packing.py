@@ -141,11 +141,12 @@ class Packer:
     def exhausted_log(self) -> list[str]:
         return self.mixer.exhausted_log
 
-    def _pieces(self, doc: Doc) -> list[Segment]:
+    def _pieces(self, doc: Doc, count: bool = True) -> list[Segment]:
+        """`doc` cut to seq_len by `overflow`; its overflow counted unless not `count`."""
         n, L = len(doc), self.seq_len
         if n <= L:
             return [Segment(doc, 0, n)] if n else []
-        c = self.counters[doc.stream]
+        c = self.counters[doc.stream] if count else PackCounters()
         if self.overflow == "split":
             c.split += 1
             return [Segment(doc, o, min(L, n - o)) for o in range(0, n, L)]
@@ -169,19 +170,12 @@ class Packer:
                 if doc.doc_id not in self._met[s]:
                     self._met[s].add(doc.doc_id)
                     self.met[s].append(doc.doc_id)
-                self._left_out(s, self._slots(doc))
+                self._left_out(s, len(self._pieces(doc, count=False)))
                 return []
             pieces = self._pieces(doc)
             if pieces:
                 return pieces
         return None
-
-    def _slots(self, doc: Doc) -> int:
-        """How many pieces `_pieces` cuts `doc` into, without counting its overflow."""
-        n, L = len(doc), self.seq_len
-        if n <= L:
-            return 1 if n else 0
-        return {"split": -(-n // L), "truncate": 1}.get(self.overflow, 0)
 
     def _left_out(self, s: int, slots: int) -> None:
         """A document of stream `s` that would have been `slots` pieces was left out."""
