@@ -299,10 +299,58 @@ class StreamConfig(_Frozen):
         return v
 
 
+class PolicyConfig(_Frozen):
+    """`mixing.policy`: weights that follow each stream's training loss, as the trainer ranks
+    report it (pipeline/stages/policy.py has the rule; README "Mixing that follows the loss").
+    Decision k reads the mean loss of steps [k*every - every, k*every) and takes effect at
+    step k*every + delay."""
+
+    every: int = Field(ge=1, le=1 << 20)  # N: steps per loss window, and between decisions
+    # D: steps from a window's end to its decision. The service makes up to `prefetch` steps
+    # ahead of training (32 by default): with D above that, deciding never stalls it.
+    delay: int = Field(default=40, ge=1, le=1 << 20)
+    eta: float = Field(default=1.0, gt=0, le=100)  # the multiplicative step size
+    smoothing: float = Field(default=0.0, ge=0, le=1)  # the share of the config's weights kept
+    reference: dict[str, float] = {}  # per stream, the loss counted as no excess (default 0)
+    # Per stream, the lowest and highest share the policy may give (default: half and twice
+    # the config's share, at most 1).
+    bounds: dict[str, tuple[float, float]] = {}
+    # How long the service waits for a window's loss (every rank's report) before it fails
+    # with an error naming the steps and ranks; not part of the sequence (not hashed).
+    wait_s: float = Field(default=600.0, gt=0)
+
+    @field_validator("reference")
+    @classmethod
+    def _finite_references(cls, v: dict[str, float]) -> dict[str, float]:
+        for name, loss in v.items():
+            if not math.isfinite(loss) or loss < 0:
+                raise ValueError(f"reference[{name!r}] must be a finite loss >= 0, got {loss}")
+        return v
+
+    @field_validator("bounds")
+    @classmethod
+    def _ordered_bounds(cls, v: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+        for name, (lo, hi) in v.items():
+            if not (math.isfinite(lo) and math.isfinite(hi) and 0 <= lo <= hi <= 1):
+                raise ValueError(f"bounds[{name!r}] must be [lo, hi] with 0 <= lo <= hi <= 1, "
+                                 f"got [{lo}, {hi}]")  # fmt: skip
+        return v
+
+    def bounds_for(self, base: Mapping[str, float]) -> tuple[np.ndarray, np.ndarray]:
+        """Per stream (in `base`'s order: the config's shares), the lowest and highest share
+        the policy may give: the configured bounds, else half and twice the config's share
+        (at most 1)."""
+        pairs = [self.bounds.get(n, (w / 2, min(1.0, 2 * w))) for n, w in base.items()]
+        return (np.array([a for a, _ in pairs], dtype=np.float64),
+                np.array([b for _, b in pairs], dtype=np.float64))  # fmt: skip
+
+
 class MixingConfig(_Frozen):
-    """What happens when a stream runs dry: end the run, or renormalize the other weights."""
+    """What happens when a stream runs dry: end the run, or renormalize the other weights;
+    and the opt-in policy that moves the weights with the loss (None: off)."""
 
     on_exhausted: Literal["stop", "renormalize"] = "stop"
+    policy: PolicyConfig | None = None
 
 
 class ScheduleEntry(_Frozen):
@@ -370,6 +418,29 @@ class Config(_Frozen):
         return self
 
     @model_validator(mode="after")
+    def _policy_fits(self) -> Config:
+        policy = self.mixing.policy
+        if policy is None:
+            return self
+        for key in ("reference", "bounds"):
+            unknown = sorted(set(getattr(policy, key)) - set(self.streams))
+            if unknown:
+                raise ValueError(f"mixing.policy.{key} names unknown stream(s) {unknown} "
+                                 f"(streams: {', '.join(self.streams)})")  # fmt: skip
+        if self.lanes > 1:
+            raise ValueError(
+                f"mixing.policy does not run with lanes: {self.lanes} yet (every lane would "
+                "have to stop at each decision step); use lanes: 1"
+            )
+        lo, hi = policy.bounds_for(self.weights)
+        if lo.sum() > 1 + 1e-9 or hi.sum() < 1 - 1e-9:
+            raise ValueError(
+                f"mixing.policy.bounds: the lowest shares sum to {lo.sum():.4g} and the "
+                f"highest to {hi.sum():.4g}; weights summing to 1 need lowest <= 1 <= highest"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _schedule_names_streams(self) -> Config:
         last = -1
         for i, entry in enumerate(self.schedule):
@@ -409,6 +480,10 @@ class Config(_Frozen):
         if not self.shuffle.interleaved:  # the shuffle before issue 26: its configs' hashes
             del data["shuffle"]["pieces"], data["shuffle"]["piece_bytes"]
         del data["read"]["in_lanes"]  # who tokenizes, not what
+        if data["mixing"]["policy"] is None:
+            del data["mixing"]["policy"]  # off: the hashes of configs from before it
+        else:
+            del data["mixing"]["policy"]["wait_s"]  # how long to wait, not what is made
         if data["lanes"] == 1:
             del data["lanes"]  # one lane is the sequence of configs that had no lanes
         if data["read"]["max_record_bytes"] == MAX_RECORD_BYTES:

@@ -217,15 +217,17 @@ class Feed:
             self.first_step_at = time.monotonic()
         return batch
 
-    def set_weights(self, weights: dict[str, float], effective_step: int | None = None) -> int:
+    def set_weights(self, weights: dict[str, float], effective_step: int | None = None,
+                    source: str = "api") -> int:  # fmt: skip
         """New target weights from global step `effective_step` (default: the next step to be
-        produced). Never retroactive; recorded in the mixture history. Returns the step."""
+        produced). Never retroactive; recorded in the mixture history with `source` (who
+        asked: "api", or "policy" for mixing.policy). Returns the step."""
         step = self.step if effective_step is None else int(effective_step)
         if step < self.step:
             raise ValueError(
                 f"effective step {step} is already produced (next step is {self.step})"
             )
-        return self.mixer.schedule(step, weights, source="api")
+        return self.mixer.schedule(step, weights, source=source)
 
     def close(self) -> None:
         """Stop all reading (background Ray Data executions). The feed is done after this."""

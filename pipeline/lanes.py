@@ -352,7 +352,8 @@ class LanedFeed:
             )
         return self._state
 
-    def set_weights(self, weights: dict[str, float], effective_step: int | None = None) -> int:
+    def set_weights(self, weights: dict[str, float], effective_step: int | None = None,
+                    source: str = "api") -> int:  # fmt: skip
         """New weights in every lane from one global step: `effective_step`, or the first
         step no lane has begun if that is later (lanes make steps ahead of what is handed
         out). Never a step already handed out. Returns the step."""
@@ -365,7 +366,7 @@ class LanedFeed:
         with self._lock:  # the producer thread asks for chunks (`_ask`) meanwhile
             step = max(step, self._asked)
             calls = [lane.call("set_weights", weights, step) for lane in self.lanes]
-            self.mixer.schedule(step, weights, source="api")
+            self.mixer.schedule(step, weights, source=source)
         got = [lane.get(call) for lane, call in zip(self.lanes, calls, strict=True)]
         assert set(got) == {step}, got
         return step

@@ -419,7 +419,8 @@ def openapi_30(schema: dict) -> dict:
 # StreamSummary field not listed here stays a gauge. A counter may restart from a lower value
 # when the service restarts or resumes from an earlier state: Prometheus reads that as a reset.
 STREAM_COUNTERS = ("tokens", "docs", "skipped", "split", "truncated", "dropped")
-PRODUCER_STATES = ("starting", "making", "window_full", "paused", "ended", "failed", "stopping")
+PRODUCER_STATES = ("starting", "making", "window_full", "paused", "ended", "failed", "stopping",
+                   "waiting_for_loss")  # fmt: skip
 
 
 def prometheus_text(m: dict, st: dict) -> str:
@@ -476,7 +477,8 @@ def _families(m: dict, st: dict) -> list:
             "producer_state",
             "1 for what the producer does now, else 0: starting, making (steps), window_full "
             "(waiting for the ranks to consume: normal when the trainer is slower than the "
-            "data plane), paused, ended (the data), failed, stopping",
+            "data plane), paused, ended (the data), failed, stopping, waiting_for_loss (the "
+            "mixing policy waits for the ranks' loss of a window)",
             {s: float(s == producer) for s in states},
             "state",
         )

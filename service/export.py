@@ -201,6 +201,11 @@ def run_export(
     (pipeline/read/headstart.py); `reading.iter_blocks_local` makes everything in this process.
     `leave_out`: documents to leave out from the first step written on (issue 27).
     """
+    if cfg.mixing.policy is not None:
+        raise ValueError(
+            "mixing.policy follows the loss the trainer ranks report, and an export has no "
+            "trainer: serve this config (tokenmill serve), or export it without mixing.policy"
+        )
     if cfg.global_batch_size % world_size:
         raise ValueError(
             f"--world-size {world_size} does not divide global_batch_size {cfg.global_batch_size}"

@@ -10,8 +10,12 @@ What it answers:
 - `view()`: per stream, the token-weighted mean loss over the last `window` complete steps
   (and its tokens), for `/v1/metrics`, Prometheus and the page; and a per-step history;
 - `mean(lo, hi)`: per stream, the token-weighted mean over steps [lo, hi), or None unless
-  every step there is complete: what the mixing policy decides from (pipeline/stages/mixing.py), so
-  that its decision is a function of the reports, never of when they arrived.
+  every step there is complete: what the mixing policy decides from (pipeline/stages/policy.py),
+  so that its decision is a function of the reports, never of when they arrived;
+- `sums(step)`: one complete step's sums, which the policy carries in a state it hands out.
+
+Steps reported before a resume come with the resume's state (`carry`): they count as complete,
+whatever the world now, and take precedence over any report of the same step.
 """
 
 from __future__ import annotations
@@ -32,6 +36,32 @@ class StreamLosses:
         self._steps: OrderedDict[int, tuple[set[int], dict[str, list[float]]]] = OrderedDict()
         self.world: int | None = None
         self.reports = 0
+        self._carried: dict[int, dict[str, list[float]]] = {}  # a resume's earlier steps
+
+    def carry(self, steps: Mapping[int, Mapping[str, list[float]]]) -> None:
+        """The complete sums of steps reported before a resume (its state carried them)."""
+        with self._lock:
+            self._carried = {int(k): {n: list(v) for n, v in s.items()} for k, s in steps.items()}
+
+    def _step(self, step: int) -> dict[str, list[float]] | None:  # under the lock
+        if step in self._carried:
+            return self._carried[step]
+        got = self._steps.get(step)
+        if got is None or not self.world or len(got[0]) < self.world:
+            return None
+        return got[1]
+
+    def sums(self, step: int) -> dict[str, list[float]] | None:
+        """Step `step`'s {stream: [loss sum, tokens]} over the world, once complete; else None."""
+        with self._lock:
+            got = self._step(step)
+            return None if got is None else {n: list(v) for n, v in got.items()}
+
+    def missing(self, lo: int, hi: int) -> dict[int, list[int]]:
+        """The incomplete steps of [lo, hi) and, for each, the ranks that reported it."""
+        with self._lock:
+            return {s: sorted(self._steps[s][0]) if s in self._steps else []
+                    for s in range(lo, hi) if self._step(s) is None}  # fmt: skip
 
     def add(self, rank: int, world: int, step: int, losses: Mapping[str, object]) -> None:
         """Rank `rank` of `world`'s losses of global `step`: {stream: [loss sum, tokens]}.
@@ -74,15 +104,14 @@ class StreamLosses:
         """Per stream, the token-weighted mean loss over steps [lo, hi) (None for a stream with
         no labelled token there); None unless every one of those steps is complete."""
         with self._lock:
-            world = self.world or 0
-            if not world:
-                return None
             acc = {n: [0.0, 0.0] for n in self.streams}
             for step in range(lo, hi):
-                got = self._steps.get(step)
-                if got is None or len(got[0]) < world:
+                got = self._step(step)
+                if got is None:
                     return None
-                for name, (total, tokens) in got[1].items():
+                for name, (total, tokens) in got.items():
+                    if name not in acc:  # a stream a resume's config change removed
+                        continue
                     acc[name][0] += total
                     acc[name][1] += tokens
         return {n: (t / k if k else None) for n, (t, k) in acc.items()}

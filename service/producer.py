@@ -28,6 +28,7 @@ class Producer:
         keep_states: int = 10_000,
         on_step: Callable[[], None] | None = None,
         on_change: Callable[[], None] | None = None,
+        gate: Callable[[Feed | LanedFeed, int, Callable[[], bool]], bool] | None = None,
     ):
         self.feed = feed
         self.window = window
@@ -35,6 +36,10 @@ class Producer:
         self.keep_states = keep_states
         self.on_step = on_step or (lambda: None)  # under the lock, after each step made
         self.on_change = on_change or (lambda: None)  # under the lock: stop, pause, end, error
+        # Called before each step is made, outside the lock, with (feed, step, stopped); may
+        # wait (the mixing policy waits for a window's loss). True: it changed the weights of
+        # that step, so the step's kept state is taken again (a replay from it decides alike).
+        self.gate = gate
         self.states: OrderedDict[int, dict] = OrderedDict({feed.step: feed.get_state()})
         self.state = STARTING
         self.error: str | None = None
@@ -71,6 +76,11 @@ class Producer:
         self.on_change()
 
     @property
+    def stopping(self) -> bool:
+        """`stop` was called."""
+        return self._stop
+
+    @property
     def ended(self) -> bool:
         return self.state in (FINISHED, FAILED)
 
@@ -82,6 +92,13 @@ class Producer:
                     while not self._stop and (self.paused or not self.window.room()):
                         self.state = PAUSED if self.paused else RUNNING
                         self.cond.wait(timeout=1.0)
+                    if self._stop:
+                        return
+                    step = self.feed.step
+                if self.gate is not None and self.gate(self.feed, step, lambda: self._stop):
+                    with self.cond:
+                        self.states[step] = self.feed.get_state()
+                with self.cond:
                     if self._stop:
                         return
                     self.state = RUNNING

@@ -43,6 +43,7 @@ from wire.protocol import (
     PRODUCER_PAUSED,
     PRODUCER_STARTING,
     PRODUCER_STOPPING,
+    PRODUCER_WAITING_LOSS,
     PRODUCER_WINDOW_FULL,
     REPLY_BYTES,
     STARTING,
@@ -69,6 +70,17 @@ def _quietly(fn, *args) -> None:
     the result is needed (the same call, in the feed), not here."""
     with contextlib.suppress(Exception):
         fn(*args)
+
+
+def _bare(state: dict) -> dict:
+    """A state without the loss the mixing policy carries in it (`state`), as the producer
+    keeps it: what tells whether a resuming rank's state is a step still held."""
+    from pipeline.stages.policy import LOSSES
+    from pipeline.state.resume import seal
+
+    if LOSSES not in state:
+        return state
+    return seal({k: v for k, v in state.items() if k != LOSSES})
 
 
 class _Default(enum.Enum):
@@ -128,7 +140,15 @@ class BatchServer:
         self._lingering = threading.Condition(lock)
         self._linger_for: dict[int, int] = {}  # rank -> the step count (produced) it waits for
         self.telemetry = Telemetry()
-        self.losses = StreamLosses(list(self.cfg.streams))
+        policy = self.cfg.mixing.policy
+        # The policy reads windows up to every + delay steps back (and a state carries them).
+        keep = 4096 if policy is None else max(4096, 2 * (policy.every + policy.delay))
+        self.losses = StreamLosses(list(self.cfg.streams), keep=keep)
+        self.steering = None
+        if policy is not None:
+            from service.steering import Steering
+
+            self.steering = Steering(self.cfg, self.losses, self._cond)
         self._started = time.time()
         self._stop_requested = False
         self._owner: dict = {}
@@ -144,7 +164,23 @@ class BatchServer:
 
     def _start_feed(self, state: dict | None, allow_config_change: bool = False,
                     leave_out: LeaveOut | None = None) -> None:  # fmt: skip
-        self._install(self._make_feed(state, allow_config_change, leave_out))
+        carried = self._carried(state)
+        feed = self._make_feed(state, allow_config_change, leave_out)
+        self.losses.carry(carried)
+        self._install(feed)
+
+    def _carried(self, state: dict | None) -> dict[int, dict[str, list[float]]]:
+        """The loss a resume's state carries for the mixing policy's next decisions
+        (pipeline/stages/policy.py `LOSSES`), checked; StateError if malformed."""
+        from pipeline.stages.policy import LOSSES, check_losses
+        from pipeline.state.resume import StateError
+
+        if self.steering is None or state is None:
+            return {}
+        try:
+            return check_losses(state.get(LOSSES, {}), list(self.cfg.streams))
+        except ValueError as e:
+            raise StateError(f"resume state: {e}") from None
 
     def _make_feed(self, state: dict | None, allow_config_change: bool = False,
                    leave_out: LeaveOut | None = None) -> Feed | LanedFeed:  # fmt: skip
@@ -207,6 +243,7 @@ class BatchServer:
         self.producer = Producer(
             feed, self.window, self._cond, self.keep_states, on_step=self._on_step,
             on_change=self._lingering.notify_all,
+            gate=None if self.steering is None else self.steering.gate,
         )  # fmt: skip
         self.producer.start()  # after the assignment: its first step's callbacks read it
 
@@ -394,6 +431,9 @@ class BatchServer:
     def _why_waiting(self) -> str:
         if self.producer.paused:
             return "paused"
+        if self.steering is not None and self.steering.waiting is not None:
+            lo, hi = self.steering.waiting
+            return f"the mixing policy waits for every rank's loss of steps {lo}-{hi - 1}"
         if self.window.room() or self.producer.busy:
             return "producing"
         slow = [
@@ -411,6 +451,8 @@ class BatchServer:
             if not 0 <= int(step) < self.window.produced:
                 raise ValueError(f"step {step} has not been produced")
         self.losses.add(rank, world_size, int(step), losses)
+        if self.steering is not None:
+            self.steering.reported()
 
     def report_wait(self, rank: int, seconds: float) -> None:
         if not (isinstance(seconds, int | float) and 0 <= seconds < 1e9):
@@ -427,7 +469,11 @@ class BatchServer:
             if step not in states:
                 held = f"{next(iter(states))}..{max(states)}" if states else "none"
                 raise StepGone(f"no state for step {step} (states held: {held})")
-            return states[step]
+            state = states[step]
+            producer = self.producer
+        if self.steering is not None:  # with the loss its resume decides from
+            return self.steering.attach(state, step, lambda: producer.ended or producer.stopping)
+        return state
 
     def provenance(self, step: int, world_size: int | None = None, text: bool = False) -> list:
         """Which documents fed global step `step` (pipeline/inspect/provenance.py): from the step if
@@ -476,13 +522,15 @@ class BatchServer:
         with self._seek_lock:
             with self._cond:
                 held = step in self.window.steps or step == self.window.produced
-                if held and state in (self.producer.states.get(step), self._seeked):
+                if held and _bare(state) in (self.producer.states.get(step), self._seeked):
                     return step
+            carried = self._carried(state)
             feed = self._make_feed(state)  # raises on a bad state; nothing changed yet
             self.producer.stop()  # also stops the old feed's reads
             with self._cond:
+                self.losses.carry(carried)
                 self._install(feed)
-                self._seeked = state
+                self._seeked = _bare(state)
                 self._wake_all()
             return step
 
@@ -560,6 +608,8 @@ class BatchServer:
             return PRODUCER_ENDED
         if p.paused:
             return PRODUCER_PAUSED
+        if self.steering is not None and self.steering.waiting is not None:
+            return PRODUCER_WAITING_LOSS
         if p.state == STARTING and not p.busy:
             return PRODUCER_STARTING
         if not p.busy and not self.window.room():
@@ -624,4 +674,5 @@ class BatchServer:
                 "observations": tel.observations_view(),
                 "stream_loss": self.losses.view(),
                 "left_out": s.left_out,  # documents a resume left out (--skip-steps, --skip-docs)
+                "policy": None if self.steering is None else self.steering.view(),
             }

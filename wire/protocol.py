@@ -63,6 +63,7 @@ STARTING, RUNNING, PAUSED, FINISHED, FAILED, STOPPING = (
 PRODUCER_STARTING, PRODUCER_MAKING, PRODUCER_WINDOW_FULL = "starting", "making", "window_full"
 PRODUCER_PAUSED, PRODUCER_ENDED, PRODUCER_FAILED = "paused", "ended", "failed"
 PRODUCER_STOPPING = "stopping"
+PRODUCER_WAITING_LOSS = "waiting_for_loss"  # mixing.policy waits for a window's loss
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,7 @@ def state_steps(
         raise ValueError(f"the state is at step {at}: it cannot give the earlier step {wanted[0]}")
     if not wanted:
         return
+    _check_policy(cfg, state, at, wanted[-1])
     feed = (
         Feed(cfg, executor=iter_blocks_local, state=state)
         if cfg.lanes == 1
@@ -150,6 +151,26 @@ def state_steps(
                 yield step, batch
     finally:
         feed.close()
+
+
+def _check_policy(cfg: Config, state: dict, at: int, last: int) -> None:
+    """Under `mixing.policy`, a state knows the weights of the decisions up to its step only:
+    later ones came from the trainer's loss. ValueError if steps up to `last` need one."""
+    from pipeline.stages.policy import SOURCE, window_for
+
+    policy = cfg.mixing.policy
+    if policy is None:
+        return
+    history = state.get("packer", {}).get("mixer", {}).get("history", [])
+    decided = {c.get("step") for c in history if c.get("source") == SOURCE}
+    for t in range(at, last + 1):
+        if window_for(t, policy.every, policy.delay) and t not in decided:
+            raise ValueError(
+                f"step {t} takes the weights the mixing policy chose from the trainer's loss, "
+                f"which the state at step {at} does not hold: recompute from a state at or "
+                f"after step {t} (a service keeps every step's state: "
+                "GET /v1/steps/{n}/provenance)"
+            )
 
 
 def state_step(cfg: Config, state: dict, step: int) -> pa.RecordBatch:

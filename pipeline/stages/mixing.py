@@ -45,7 +45,7 @@ from pipeline.config import normalize_weights
 class WeightChange:
     step: int
     weights: dict[str, float]
-    source: str  # "config", "schedule", "api", "exhausted"
+    source: str  # "config", "schedule", "api", "resume", "policy" (mixing.policy)
 
     def as_dict(self) -> dict:
         return {"step": self.step, "weights": self.weights, "source": self.source}

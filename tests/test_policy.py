@@ -1,0 +1,186 @@
+"""Mixing that follows the loss (`mixing.policy`, issue 27): the rule, its bounds, its timing,
+and a service that follows synthetic loss reports, resumed mid-way byte for byte."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from pipeline.config import PolicyConfig
+from pipeline.read.resolve import parse_config
+from pipeline.stages.policy import LOSSES, decide, project, window_for, windows_after
+from tests.conftest import stdlib_texts, write_jsonl
+
+BASE = {"code": 0.7, "prose": 0.3}
+
+
+def test_weight_moves_toward_the_stream_whose_loss_stays_high_within_its_bounds():
+    policy = PolicyConfig(every=10, eta=0.2, bounds={"prose": (0.1, 0.6)})
+    w = dict(BASE)
+    shares = []
+    for _ in range(30):  # prose's loss stays 1.0 above code's
+        w = decide(policy, w, BASE, {"code": 2.0, "prose": 3.0})
+        shares.append(w["prose"])
+    assert all(b > a for a, b in zip(shares, shares[1:6], strict=False)), "it grows, step by step"
+    assert shares[0] == pytest.approx(0.3 * np.e**0.2 / (0.7 + 0.3 * np.e**0.2))
+    assert shares[-1] == pytest.approx(0.6) and max(shares) <= 0.6 + 1e-12
+    back = decide(policy, w, BASE, {"code": 4.0, "prose": 1.0})  # the tables turn
+    assert back["prose"] < w["prose"]
+    # A reference loss: excess under it is none, so a stream at its reference gains nothing.
+    ref = PolicyConfig(every=10, reference={"prose": 3.0, "code": 0.0})
+    assert decide(ref, BASE, BASE, {"code": 0.0, "prose": 2.5}) == pytest.approx(BASE)
+    # No labelled token of a stream in the window: its weight is kept.
+    assert decide(policy, BASE, BASE, {"code": 9.0, "prose": None}) == pytest.approx(BASE)
+    # Smoothing pulls toward the config's weights.
+    smooth = PolicyConfig(every=10, smoothing=1.0)
+    assert decide(smooth, {"code": 0.5, "prose": 0.5}, BASE, {"code": 1.0, "prose": 5.0}) == (
+        pytest.approx(BASE)
+    )
+
+
+def test_projection_is_inside_the_bounds_and_sums_to_one():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        n = int(rng.integers(2, 6))
+        lo = rng.uniform(0, 1 / n, n)
+        hi = np.minimum(1, lo + rng.uniform(0, 1, n))
+        if hi.sum() < 1:
+            hi = np.minimum(1, hi * (1.05 / hi.sum()))
+        if hi.sum() < 1:
+            continue
+        w = project(rng.dirichlet(np.ones(n)) * rng.uniform(0.5, 2), lo, hi)
+        assert w.sum() == pytest.approx(1, abs=1e-12)
+        assert (w >= lo - 1e-9).all() and (w <= hi + 1e-9).all()
+    inside = np.array([0.2, 0.3, 0.5])
+    assert project(inside, np.zeros(3), np.ones(3)) == pytest.approx(inside)
+
+
+def test_a_state_carries_the_windows_of_every_decision_still_to_come():
+    every, delay = 4, 3
+    for step in range(60):
+        need = {
+            s for lo, hi in windows_after(step, every, delay) for s in range(lo, hi) if s < step
+        }
+        brute = set()
+        for t in range(step, step + 100):
+            window = window_for(t, every, delay)
+            if window:
+                brute |= {s for s in range(*window) if s < step}
+        assert need == brute, step
+    assert window_for(7, 4, 3) == (0, 4) and window_for(11, 4, 3) == (4, 8)
+    assert window_for(3, 4, 3) is None and window_for(8, 4, 3) is None
+
+
+def _config(tmp_path, **policy):
+    code, prose = tmp_path / "code", tmp_path / "prose"
+    code.mkdir(exist_ok=True)
+    prose.mkdir(exist_ok=True)
+    write_jsonl(code / "a.jsonl", stdlib_texts(40, max_bytes=6000))
+    words = " ".join(f"word{i % 97} and more text {i}" for i in range(4000))
+    write_jsonl(prose / "a.jsonl", [words[i : i + 1500] for i in range(0, len(words), 1500)])
+    return parse_config({
+        "seed": 3, "seq_len": 128, "global_batch_size": 4,
+        "packing": {"mode": "bfd", "buffer": 16}, "shuffle": {"window": 8},
+        "read": {"block_bytes": 20_000, "first_block_bytes": 5_000},
+        "streams": {"code": {"paths": [str(code / "*.jsonl")], "weight": 0.7},
+                    "prose": {"paths": [str(prose / "*.jsonl")], "weight": 0.3}},
+        "mixing": {"policy": {"every": 3, "delay": 2, "eta": 0.2,
+                              "bounds": {"prose": [0.1, 0.45]}, **policy}},
+    })  # fmt: skip
+
+
+def test_the_policy_is_part_of_the_config_hash_only_when_on(tmp_path):
+    cfg = _config(tmp_path)
+    off = cfg.model_copy(update={"mixing": cfg.mixing.model_copy(update={"policy": None})})
+    longer = _config(tmp_path, wait_s=5)
+    assert cfg.config_hash() != off.config_hash() and cfg.config_hash() == longer.config_hash()
+    data = cfg.model_dump(mode="json")
+    for bad, match in (
+        ({"lanes": 2}, "lanes"),
+        ({"mixing": {"policy": {"every": 3, "bounds": {"web": [0, 1]}}}}, "unknown stream"),
+        ({"mixing": {"policy": {"every": 3, "bounds": {"code": [0.8, 1], "prose": [0.5, 1]}}}},
+         "sum to"),
+        ({"mixing": {"policy": {"every": 3, "bounds": {"code": [0.5, 0.2]}}}}, "lo <= hi"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            parse_config({**data, **bad})
+
+
+def test_an_export_refuses_the_policy(tmp_path):
+    from service.export import run_export
+
+    with pytest.raises(ValueError, match="no trainer"):
+        run_export(_config(tmp_path), tmp_path / "out", steps=2)
+
+
+def _loss(step: int) -> dict[str, list[float]]:
+    """The synthetic loss a rank reports: prose stays harder than code."""
+    return {"code": [2.0 * 100, 100], "prose": [(3.0 + step / 100) * 50, 50]}
+
+
+def _serve(srv, first: int, last: int, report=True) -> list[bytes]:
+    """One rank takes steps first..last-1 and reports each one's loss; their bytes."""
+    out = []
+    for step in range(first, last):
+        deadline = time.time() + 60
+        while not (reply := srv.get(0, 1, step, 1.0)).ready:
+            assert time.time() < deadline, reply.reason
+        out.append(b"".join(reply.runs))
+        if report:
+            srv.report_loss(0, 1, step, _loss(step))
+    return out
+
+
+@pytest.mark.slow
+def test_a_service_follows_the_loss_and_resumes_mid_way_byte_for_byte(tmp_path, ray_cluster):
+    from service.server import BatchServer
+
+    cfg = _config(tmp_path, wait_s=20)  # a resume missing its window's loss fails in 20 s
+    spec = cfg.model_dump(mode="json")
+    srv = BatchServer(spec, prefetch=2)
+    try:
+        whole = _serve(srv, 0, 18)
+        in_window = srv.state(7)  # decisions at 8 and 11 read steps 3-5 and 6-8
+        at_decision = srv.state(11)  # kept after its decision: carries it
+        history = srv.mixture()["history"]
+        metrics = srv.metrics()
+    finally:
+        srv.close()
+    policy = [c for c in history if c["source"] == "policy"]
+    assert [c["step"] for c in policy][:4] == [5, 8, 11, 14]
+    prose = [c["weights"]["prose"] for c in policy]
+    assert 0.3 < prose[0] < prose[1] < prose[2], "toward the stream whose loss stays high"
+    assert prose[-1] == pytest.approx(0.45), "up to its bound, not past it"
+    assert metrics["policy"]["decisions"][0]["window"] == [0, 3]
+    assert metrics["policy"]["decisions"][0]["loss"]["prose"] == pytest.approx(3.01)
+    assert sorted(int(s) for s in in_window[LOSSES]) == [3, 4, 5, 6]
+
+    for state, first in ((in_window, 7), (at_decision, 11)):
+        again = BatchServer(spec, state=state, prefetch=2)
+        try:
+            resumed = _serve(again, first, 18)
+            hist = again.mixture()["history"]
+        finally:
+            again.close()
+        assert resumed == whole[first:], f"resumed at {first}: byte for byte"
+        assert [c for c in hist if c["source"] == "policy"][-1] == policy[-1]
+
+
+@pytest.mark.slow
+def test_a_trainer_that_never_reports_is_told_not_waited_for(tmp_path, ray_cluster):
+    from service.server import BatchServer
+
+    srv = BatchServer(_config(tmp_path, wait_s=3).model_dump(mode="json"), prefetch=8)
+    try:
+        _serve(srv, 0, 5, report=False)  # decision 1 (step 5) reads steps 0-2: never reported
+        reply = srv.get(0, 1, 5, 1.0)
+        assert not reply.ready and "loss of steps 0-2" in reply.reason
+        assert srv.metrics()["producer"] == "waiting_for_loss"
+        deadline = time.time() + 30
+        with pytest.raises(RuntimeError, match=r"loss of steps 0-2 is not complete after 3 s"):
+            while time.time() < deadline:
+                srv.get(0, 1, 5, 1.0)
+    finally:
+        srv.close()
