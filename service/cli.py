@@ -485,7 +485,7 @@ def _print_mixture(mix: dict, overflow: str) -> None:
 def cmd_demo(args) -> int:
     from service.demo import run_demo
 
-    summary = run_demo(steps=args.steps, out=args.out, address=args.address)
+    summary = run_demo(steps=args.steps, out=args.out, address=args.address, policy=args.policy)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return 0
@@ -684,6 +684,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", default=None, help="also write the demo's summary to this file")
     d.add_argument("--out", default=None, help="where to export (None: a temporary directory)")
     d.add_argument("--address", default=None, help=ADDRESS_HELP)
+    d.add_argument("--policy", action="store_true",
+                   help="turn the mixing policy on (weights that follow each stream's loss)")  # fmt: skip
     d.set_defaults(func=cmd_demo)
     return p  # fmt: skip
 

@@ -7,7 +7,8 @@
 3. Runs the thin trainer as two CPU ranks under torchrun (gloo) for `--steps` steps; the
    ranks pull their rows from the service through `trainer.feed.Feed`.
 4. Prints the summary: tokens/s, packing efficiency, realized mixture against target,
-   data-wait fraction, first and last loss. Leaves no process behind.
+   data-wait fraction, first and last loss, each stream's loss; with `--policy`, the mixing
+   policy's decisions (the weight history it wrote). Leaves no process behind.
 """
 
 from __future__ import annotations
@@ -49,7 +50,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_demo(steps: int = 60, out: str | None = None, address: str | None = None) -> dict:
+# `demo --policy`: the mixing policy on (README "Mixing that follows the loss"). A decision
+# every 5 steps, from the loss of 5 steps, 18 steps after them: the service makes up to 16
+# steps ahead of training here (prefetch), so the ranks never wait for a decision.
+DEMO_POLICY = {"every": 5, "delay": 18, "eta": 1.0}
+
+
+def run_demo(
+    steps: int = 60, out: str | None = None, address: str | None = None, policy: bool = False
+) -> dict:
     import ray
 
     from service.cluster import connect, shutdown
@@ -57,7 +66,10 @@ def run_demo(steps: int = 60, out: str | None = None, address: str | None = None
 
     corpus = build_demo_corpus()
     print(f"demo corpus: {corpus}", flush=True)
-    cfg = parse_config(demo_config(corpus))
+    spec = demo_config(corpus)
+    if policy:
+        spec["mixing"] = {"policy": DEMO_POLICY}
+    cfg = parse_config(spec)
     started = connect(address)
     name = f"tokenmill-demo-{os.getpid()}"
     actor = start_server(cfg, name=name, prefetch=16)
@@ -118,6 +130,8 @@ def run_demo(steps: int = 60, out: str | None = None, address: str | None = None
         # steps the service joined: what `mixing` would follow (docs, "When a run misbehaves").
         "stream_loss": {n: v["loss"] for n, v in metrics["stream_loss"]["streams"].items()},
         "train_log": str(log_json),
+        # With --policy: each decision's step, the window's loss per stream and the weights.
+        "policy": (metrics.get("policy") or {}).get("decisions"),
     }
     print_demo_summary(summary)
     return summary
@@ -142,3 +156,26 @@ def print_demo_summary(s: dict) -> None:
             f"{st['docs']:>8,}{st['skipped']:>9,}{shown:>8}"
         )
     print("(loss: the ranks' mean loss per stream over the last steps they reported)")
+    if s.get("policy") is not None:
+        print("(target: the weights in effect now, the policy's last; realized: the whole run, "
+              "which followed the weight history below)")  # fmt: skip
+        print_policy(s["policy"])
+
+
+def print_policy(decisions: list[dict]) -> None:
+    """The mixing policy's decisions: the weight history it wrote, with the loss behind it."""
+    print()
+    if not decisions:
+        print("mixing policy: no decision yet (the first comes at step every + delay)")
+        return
+    names = list(decisions[0]["weights"])
+    print(f"mixing policy: {len(decisions)} decision(s); the weights from each step, and the "
+          "window's mean loss they follow")  # fmt: skip
+    print(f"{'step':>6}  {'window':>9}  " + "  ".join(f"{n + ' loss':>10}{n:>7}" for n in names))
+    for d in decisions:
+        lo, hi = d["window"]
+        cells = []
+        for n in names:
+            loss = d["loss"].get(n)
+            cells.append(f"{'-' if loss is None else f'{loss:.3f}':>10}{d['weights'][n]:>7.3f}")
+        print(f"{d['step']:>6}  {f'{lo}-{hi - 1}':>9}  " + "  ".join(cells))

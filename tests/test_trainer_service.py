@@ -98,3 +98,28 @@ def test_demo_main_job_summary(ray_cluster, tmp_path):
     # the ranks' loss per stream, reported each step and joined by the service (issue 27)
     assert set(s["stream_loss"]) == {"code", "chat"}
     assert all(v is not None and 0 < v < 20 for v in s["stream_loss"].values()), s["stream_loss"]
+
+
+@pytest.mark.slow
+def test_demo_with_the_mixing_policy_shows_its_weight_history(ray_cluster, tmp_path):
+    """`demo --policy`: the torchrun ranks report their loss per stream each step, and the
+    service's first decision (step 5 + 18) follows the mean loss of steps 0-4, within bounds."""
+    address = ray_cluster.get_runtime_context().gcs_address
+    r = subprocess.run([sys.executable, "-m", "service", "demo", "--steps", "24", "--policy",
+                        "--address", address, "--json", str(tmp_path / "s.json")],
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    s = json.loads((tmp_path / "s.json").read_text())
+    first = s["policy"][0]
+    assert first["step"] == 23 and first["window"] == [0, 5]
+    assert set(first["loss"]) == {"code", "chat"} and all(
+        0 < v < 20 for v in first["loss"].values()
+    )
+    w = first["weights"]
+    assert (
+        sum(w.values()) == pytest.approx(1) and 0.35 <= w["code"] <= 1 and 0.15 <= w["chat"] <= 0.6
+    )
+    # the higher loss gains weight (from 0.7 / 0.3), the lower one loses it
+    hard = max(first["loss"], key=first["loss"].get)
+    assert w[hard] > {"code": 0.7, "chat": 0.3}[hard]
+    assert "mixing policy: " in r.stdout and "window" in r.stdout
