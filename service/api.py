@@ -55,9 +55,14 @@ STATE_AUTH = (
     "weights, never tokens, text or secrets; only a rank inside the Ray cluster can resume "
     "from one, not a client of this API; mutations need the token"
 )
+# How long GET /v1/state waits for the mixing policy's loss that a state carries (a step the
+# ranks have not trained yet: 503 with Retry-After after that).
+STATE_WAIT_S = 5.0
 STATE_DOC = f"""The resume state after global step `step` (default: the newest held): small JSON that
 a trainer saves beside its checkpoint and hands back on resume (`Feed.connect(..., state=...)`,
-`tokenmill export --resume`). A step no longer held is a 404.
+`tokenmill export --resume`). A step no longer held is a 404. Under `mixing.policy` the state
+carries the loss its resume decides from: for a step the ranks have not trained yet, that
+loss is not in, and the answer is a 503 with `Retry-After` (ask for a trained step).
 
 **Not authenticated**, on purpose; every answer says so in its `{STATE_AUTH_HEADER}` header.
 Why: {STATE_AUTH}."""
@@ -303,11 +308,14 @@ def create_app(backend: Backend) -> FastAPI:
     def state(response: Response, step: int | None = Query(default=None, ge=0, le=2**62)) -> Any:
         response.headers[STATE_AUTH_HEADER] = STATE_AUTH
         try:
-            return backend.call("state", step)
+            return backend.call("state", step, STATE_WAIT_S)
         except Exception as e:
             e = _unwrap(e)
             if isinstance(e, LookupError):
                 raise HTTPException(404, str(e), headers={STATE_AUTH_HEADER: STATE_AUTH}) from None
+            if type(e).__name__ == "ServiceBusy":  # the mixing policy's loss is not in yet
+                headers = {STATE_AUTH_HEADER: STATE_AUTH, "Retry-After": "5"}
+                raise HTTPException(503, str(e), headers=headers) from None
             raise
 
     @app.get(

@@ -462,7 +462,10 @@ class BatchServer:
                 return
         self.telemetry.report_wait(rank, seconds)
 
-    def state(self, step: int | None = None) -> dict:
+    def state(self, step: int | None = None, wait_s: float | None = None) -> dict:
+        """The state at `step` (default: the newest made). Under the mixing policy it carries
+        the loss its resume decides from, waited for: up to `wait_s` (the API's), else up to
+        `mixing.policy.wait_s` (a rank's, at the step it is about to train)."""
         with self._cond:
             states = self.producer.states
             step = max(states) if step is None else step
@@ -472,7 +475,8 @@ class BatchServer:
             state = states[step]
             producer = self.producer
         if self.steering is not None:  # with the loss its resume decides from
-            return self.steering.attach(state, step, lambda: producer.ended or producer.stopping)
+            stopped = lambda: producer.ended or producer.stopping  # noqa: E731
+            return self.steering.attach(state, step, stopped, wait_s)
         return state
 
     def provenance(self, step: int, world_size: int | None = None, text: bool = False) -> list:

@@ -27,6 +27,7 @@ from pipeline.config import Config
 from pipeline.stages.policy import LOSSES, SOURCE, decide, window_for, windows_after
 from pipeline.state.resume import seal
 from service.losses import StreamLosses
+from wire.protocol import ServiceBusy
 
 DECISIONS_KEPT = 256  # recent decisions in /v1/metrics (the weights are in the history too)
 
@@ -60,9 +61,12 @@ class Steering:
             with self.cond:
                 self.cond.notify_all()
 
-    def _wait(self, lo: int, hi: int, stopped: Callable[[], bool], producer: bool):
-        """The mean loss of steps [lo, hi) once complete; None if `stopped()` first."""
-        deadline = time.monotonic() + self.policy.wait_s
+    def _wait(self, lo: int, hi: int, stopped: Callable[[], bool], producer: bool,
+              wait_s: float | None = None):  # fmt: skip
+        """The mean loss of steps [lo, hi) once complete; None if `stopped()` first;
+        PolicyStalled after `wait_s` (default: the policy's)."""
+        start = time.monotonic()
+        deadline = start + (self.policy.wait_s if wait_s is None else wait_s)
         with self.cond:
             self._waiters += 1
             try:
@@ -74,7 +78,7 @@ class Steering:
                         first = min(missing)
                         raise PolicyStalled(
                             f"mixing.policy: the loss of steps {lo}-{hi - 1} is not complete "
-                            f"after {self.policy.wait_s:g} s ({len(missing)} step(s) missing; "
+                            f"after {deadline - start:g} s ({len(missing)} step(s) missing; "
                             f"step {first} was reported by rank(s) {missing[first]} of world "
                             f"{self.losses.world}): every rank must report each step's loss "
                             "(Feed.report_loss(step, trainer.feed.stream_loss(batch, loss)))"
@@ -111,13 +115,26 @@ class Steering:
                                    "weights": weights})  # fmt: skip
         return True
 
-    def attach(self, state: dict, step: int, stopped: Callable[[], bool]) -> dict:
+    def attach(self, state: dict, step: int, stopped: Callable[[], bool],
+               wait_s: float | None = None) -> dict:  # fmt: skip
         """`state` (the state at `step`) with the loss of the steps before `step` that the
-        decisions at `step` or later read, sealed again. Waits for them (as `gate`)."""
+        decisions at `step` or later read, sealed again. Waits for them (as `gate`); with
+        `wait_s` (the API's, which asks for any step, also one the ranks have not trained),
+        ServiceBusy once that is over."""
         carried: dict[str, dict] = {}
         for lo, hi in windows_after(step, self.policy.every, self.policy.delay):
             hi = min(hi, step)
-            if self._wait(lo, hi, stopped, producer=False) is None:
+            try:
+                means = self._wait(lo, hi, stopped, producer=False, wait_s=wait_s)
+            except PolicyStalled:
+                if wait_s is None:
+                    raise
+                raise ServiceBusy(
+                    f"the state at step {step} carries the loss of steps {lo}-{hi - 1} for the "
+                    "mixing policy, and the ranks have not reported it yet (they train behind "
+                    "the steps made): ask for the state of a step they have trained (?step=N)"
+                ) from None
+            if means is None:
                 break  # stopped, or the data ended: no decision will read them
             for s in range(lo, hi):
                 sums = self.losses.sums(s)

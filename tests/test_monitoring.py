@@ -49,7 +49,7 @@ class FakeServer:
     def metrics(self):
         return dict(self.m)
 
-    def state(self, step):
+    def state(self, step, wait_s=None):
         if step not in (None, 3):
             raise LookupError(f"no state for step {step}")
         return {"version": 3, "step": 3, "digest": "0" * 64}

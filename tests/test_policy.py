@@ -184,3 +184,25 @@ def test_a_trainer_that_never_reports_is_told_not_waited_for(tmp_path, ray_clust
                 srv.get(0, 1, 5, 1.0)
     finally:
         srv.close()
+
+
+@pytest.mark.slow
+def test_the_api_state_of_a_step_not_trained_yet_is_a_503_not_a_hang(tmp_path, ray_cluster):
+    from fastapi.testclient import TestClient
+
+    from service.api import Backend, create_app
+    from service.server import BatchServer
+
+    srv = BatchServer(_config(tmp_path).model_dump(mode="json"), prefetch=8)
+    try:
+        _serve(srv, 0, 3)  # steps 0-2 trained and reported
+        _serve(srv, 3, 5, report=False)  # 3-4 taken, not reported yet
+        client = TestClient(create_app(Backend(srv)))
+        r = client.get("/v1/state", params={"step": 4})  # decision 8 reads steps 3-5
+        assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+        assert "loss of steps 3-3" in r.json()["detail"]
+        srv.report_loss(0, 1, 3, _loss(3))
+        r = client.get("/v1/state", params={"step": 4})
+        assert r.status_code == 200 and sorted(r.json()[LOSSES]) == ["0", "1", "2", "3"]
+    finally:
+        srv.close()
