@@ -33,7 +33,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt
 
 from pipeline.config import check_weight
 from pipeline.state.summary import stream_gauges
@@ -55,6 +55,16 @@ STATE_AUTH = (
     "weights, never tokens, text or secrets; only a rank inside the Ray cluster can resume "
     "from one, not a client of this API; mutations need the token"
 )
+SKIPS_DOC = """Leave documents out of the running sequence from the first step not made yet
+(`effective_step` in the answer): the documents the `steps` named drew (steps made already;
+recomputed from a kept state if no longer held), and the `docs` named. What follows is what
+`tokenmill serve --resume STATE --skip-steps ...` would make from that step's state: those
+documents are dropped where they leave the shuffle, in every epoch; every other document comes
+in the order it would have; the mixture stays exact. Steps made before are kept, and
+connected ranks go on without a restart. Audited: the state's skip log (step, count, `why`)
+and `/v1/metrics` `left_out`, so every later state and resume leaves them out too. Needs
+`Authorization: Bearer <token>`."""
+
 # How long GET /v1/state waits for the mixing policy's loss that a state carries (a step the
 # ranks have not trained yet: 503 with Retry-After after that).
 STATE_WAIT_S = 5.0
@@ -176,6 +186,16 @@ class MixtureUpdate(BaseModel):
     weights: dict[str, StrictFloat | StrictInt]
 
 
+class SkipRequest(BaseModel):
+    """POST /v1/skips: steps made already (`"41230-41240"`, `"3,7,9-11"`) and/or documents
+    ({stream, doc_id} or {stream, source, record}, as `trace --json` prints), and why."""
+
+    model_config = ConfigDict(extra="forbid")
+    steps: str | None = Field(default=None, max_length=1000)
+    docs: list[dict] | None = Field(default=None, max_length=100_000)
+    why: str | None = Field(default=None, max_length=200)
+
+
 def _unwrap(e: Exception) -> Exception:
     """Ray wraps actor exceptions; the cause is the one with the message."""
     cause = getattr(e, "cause", None)
@@ -269,6 +289,32 @@ def create_app(backend: Backend) -> FastAPI:
                 raise HTTPException(400, str(e)) from None
             raise
         return {"effective_step": step}
+
+    @app.post(
+        "/v1/skips",
+        dependencies=[Depends(require_token)],
+        summary="Leave documents out from the next step made",
+        description=SKIPS_DOC,
+    )
+    def post_skips(request: SkipRequest) -> dict:
+        from pipeline.inspect.provenance import parse_steps
+
+        try:
+            steps = parse_steps(request.steps) if request.steps is not None else None
+        except ValueError as e:
+            raise HTTPException(400, f"steps {e}") from None
+        if len(steps or []) > 10_000:
+            raise HTTPException(400, f"{len(steps or [])} steps: at most 10,000 at once")
+        try:
+            done = backend.call("skip", steps, request.docs, request.why, timeout_s=300.0)
+        except Exception as e:
+            e = _unwrap(e)
+            if type(e).__name__ == "ServiceBusy":
+                raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
+            if isinstance(e, LookupError | ValueError):
+                raise HTTPException(400, str(e)) from None
+            raise
+        return {"effective_step": done["step"], "left_out": done["left_out"], "why": done["why"]}
 
     @app.post(
         "/v1/pause",

@@ -271,17 +271,12 @@ def cmd_serve(args) -> int:
 
 def parse_steps(text: str) -> list[int]:
     """`12`, `41230-41240` or `3,7,9-11`: the steps, ascending, each once."""
-    steps: set[int] = set()
-    for part in text.split(","):
-        a, _, b = part.strip().partition("-")
-        try:
-            lo, hi = int(a), int(b or a)
-        except ValueError:
-            raise ConfigError(f"--step {text!r}: expected N, N-M or a comma list of them") from None
-        if lo < 0 or hi < lo or hi - lo > 100_000:
-            raise ConfigError(f"--step {text!r}: {part!r} is not a range of steps")
-        steps.update(range(lo, hi + 1))
-    return sorted(steps)
+    from pipeline.inspect.provenance import parse_steps as parse
+
+    try:
+        return parse(text)
+    except ValueError as e:
+        raise ConfigError(f"--step {e}") from None
 
 
 def cmd_trace(args) -> int:

@@ -45,6 +45,7 @@ class Producer:
         self.error: str | None = None
         self.paused = False
         self.busy = False  # inside feed.next_step(): that step's weights are fixed
+        self.gating = False  # inside `gate`
         # The first step whose production has not begun: where a weight change takes effect.
         # Changed only under the lock and never backwards, even when the step being made
         # turns out to be past the end of the data.
@@ -76,6 +77,11 @@ class Producer:
         self.on_change()
 
     @property
+    def idle(self) -> bool:
+        """Neither making a step nor deciding one (under the lock): paused, it stays so."""
+        return not self.busy and not self.gating
+
+    @property
     def stopping(self) -> bool:
         """`stop` was called."""
         return self._stop
@@ -95,12 +101,21 @@ class Producer:
                     if self._stop:
                         return
                     step = self.feed.step
-                if self.gate is not None and self.gate(self.feed, step, lambda: self._stop):
+                    self.gating = self.gate is not None
+                changed = False
+                try:
+                    if self.gate is not None:  # a pause interrupts it too (then asked again)
+                        changed = self.gate(self.feed, step, lambda: self._stop or self.paused)
+                finally:
                     with self.cond:
-                        self.states[step] = self.feed.get_state()
+                        self.gating = False
                 with self.cond:
+                    if changed:
+                        self.states[step] = self.feed.get_state()
                     if self._stop:
                         return
+                    if self.paused or not self.window.room():
+                        continue
                     self.state = RUNNING
                     self.busy = True
                     self.first_open = self.window.produced + 1

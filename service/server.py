@@ -72,6 +72,19 @@ def _quietly(fn, *args) -> None:
         fn(*args)
 
 
+def _ranges(steps: list[int]) -> str:
+    """[3, 4, 5, 9] -> "3-5,9"."""
+    out, run = [], [steps[0]] if steps else []
+    for s in steps[1:]:
+        if s == run[-1] + 1:
+            run.append(s)
+        else:
+            out.append(run)
+            run = [s]
+    out += [run] if run else []
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
+
+
 def _bare(state: dict) -> dict:
     """A state without the loss the mixing policy carries in it (`state`), as the producer
     keeps it: what tells whether a resuming rank's state is a step still held."""
@@ -237,15 +250,18 @@ class BatchServer:
         # one are told so when they ask (`get`), instead of waiting for steps that never come.
         self.generation = getattr(self, "generation", -1) + 1
         self.feed = feed
+        self.window = StepWindow(feed.step, self.prefetch, self.rank_timeout_s)
+        self.producer = self._producer(feed)
+        self.producer.start()  # after the assignment: its first step's callbacks read it
+
+    def _producer(self, feed: Feed | LanedFeed):
         from service.producer import Producer
 
-        self.window = StepWindow(feed.step, self.prefetch, self.rank_timeout_s)
-        self.producer = Producer(
+        return Producer(
             feed, self.window, self._cond, self.keep_states, on_step=self._on_step,
             on_change=self._lingering.notify_all,
             gate=None if self.steering is None else self.steering.gate,
         )  # fmt: skip
-        self.producer.start()  # after the assignment: its first step's callbacks read it
 
     def _on_step(self) -> None:  # under the lock, after each produced step
         self._sample(force=False)
@@ -537,6 +553,70 @@ class BatchServer:
                 self._seeked = _bare(state)
                 self._wake_all()
             return step
+
+    def skip(self, steps: list[int] | None = None, docs: list | None = None,
+             why: str | None = None) -> dict:  # fmt: skip
+        """Leave documents out of a running service from the first step not made yet (POST
+        /v1/skips): the documents of `steps` (made already: held, or recomputed from a kept
+        state) and those `docs` names ({stream, doc_id} or {stream, source, record}).
+
+        The result is by construction what `serve --resume STATE --skip-...` makes from the
+        state at that step (pipeline/feed.py `LeaveOut` has the rule): the producer is paused
+        once the step it makes is done, a feed is built from that step's state with the
+        documents left out, and only then swapped in, on the same window. Steps made before
+        stay as they are (ranks may hold them) and connected ranks go on without a restart:
+        no new generation. A feed that cannot be built leaves the running one as it was. The
+        state carries the list and its log (step, count, `why`), so every later state and
+        resume leaves them out too."""
+        from pipeline.inspect.provenance import documents_of, leave_out, named_documents
+
+        with self._seek_lock:
+            named = []
+            for step in steps or []:
+                named += documents_of(self.provenance(step, 1))
+            if docs:
+                named += named_documents(self.cfg, list(docs),
+                                         [f"docs[{i}]" for i in range(len(docs))])  # fmt: skip
+            if not named:
+                raise ValueError("name steps already made, or documents, to leave out")
+            said = [f"steps {_ranges(steps)}"] if steps else []
+            said += [f"{len(docs)} named document(s)"] if docs else []
+            chosen = leave_out(named, f"POST /v1/skips: {', '.join(said)}"
+                                      + (f" ({why})" if why else ""))  # fmt: skip
+            paused = self.producer.paused  # the user's pause, kept
+            self.producer.set_paused(True)
+            with self._cond:
+                while not self.producer.idle:
+                    self._cond.wait(timeout=1.0)
+                if self.producer.ended:
+                    self.producer.set_paused(paused)
+                    raise ValueError(f"the data ended at step {self.window.produced}: "
+                                     "nothing is left to leave out")  # fmt: skip
+                step = self.feed.step
+                state = self.producer.states[step]
+            try:
+                feed = self._make_feed(state, leave_out=chosen)
+            except BaseException:
+                self.producer.set_paused(paused)
+                raise
+            old = self.producer
+            old.stop()  # idle and paused: at once; closes the old feed's reads
+            with self._cond:
+                self._swap(feed, old, paused)
+                self._wake_all()
+            count = {k: len(v) for k, v in chosen.docs.items()}
+            return {"step": step, "left_out": count, "why": chosen.why}
+
+    def _swap(self, feed: Feed | LanedFeed, old, paused: bool) -> None:
+        """Under the lock: `feed` (at the step `old` stopped at) makes the steps from here on,
+        into the same window; the states kept so far stay."""
+        self.feed = feed
+        self.producer = self._producer(feed)
+        states = old.states
+        states[feed.step] = self.producer.states[feed.step]  # with the documents left out
+        self.producer.states = states
+        self.producer.paused = paused
+        self.producer.start()
 
     # -- control (concurrency group `control`) ------------------------------------------------
 

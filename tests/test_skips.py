@@ -224,3 +224,62 @@ def test_a_service_resumed_leaving_documents_out_serves_none_of_them(corpus, ray
         assert left["streams"]["code"]["named"] == len(named)
     finally:
         srv.close()
+
+
+@pytest.mark.slow
+def test_a_running_service_leaves_documents_out_through_the_api(corpus, ray_cluster, monkeypatch):
+    """POST /v1/skips: from the first step not made, the service makes exactly what a resume
+    from that step's state with the documents left out makes; the steps made before are
+    unchanged, the rank connected all along goes on (no restart), the log says who asked."""
+    from fastapi.testclient import TestClient
+
+    from service.api import Backend, create_app
+    from service.server import BatchServer
+    from wire.arrays import from_ipc
+    from wire.layout import expand
+
+    monkeypatch.setenv("TOKENMILL_API_TOKEN", "t0ken")
+    cfg = config(corpus, "bfd")
+    whole, _ = _run(cfg, state_every=1)
+    srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
+    try:
+
+        def take(step):
+            deadline = time.time() + 60
+            while not (reply := srv.get(0, 1, step, 1.0)).ready:
+                assert time.time() < deadline, reply.reason
+            return reply
+
+        got = [take(s) for s in range(4)]
+        client = TestClient(create_app(Backend(srv)))
+        body = {"steps": "1-2", "docs": [{"stream": "code", "doc_id": -1 + (1 << 32)}],
+                "why": "loss spike"}  # fmt: skip
+        assert client.post("/v1/skips", json=body).status_code == 401
+        r = client.post("/v1/skips", json=body, headers={"Authorization": "Bearer t0ken"})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        at = answer["effective_step"]
+        assert (
+            4 <= at <= 4 + 3
+            and answer["why"] == "POST /v1/skips: steps 1-2, 1 named document(s) (loss spike)"
+        )
+        named = {d for _, d in _docs(cfg, whole[1:3], 1)} | {(1 << 32) - 1}
+        assert answer["left_out"] == {"code": len(named)}
+        got += [take(s) for s in range(4, 12)]
+        bad = client.post("/v1/skips", json={"docs": [{"stream": "web", "doc_id": 1}]},
+                          headers={"Authorization": "Bearer t0ken"})  # fmt: skip
+        assert bad.status_code == 400 and "stream" in bad.json()["detail"]
+        left = srv.metrics()["left_out"]
+    finally:
+        srv.close()
+
+    def data(batch):  # the rows, whatever the layout and the metadata
+        return batch_bytes(expand(batch).replace_schema_metadata(None))
+
+    served = [data(from_ipc(r.runs[0])) for r in got]
+    # Before the effective step: the steps as made; from it: a resume from there, leaving out.
+    lone, _ = _run(cfg, state=whole[at - 1][1], leave_out=LeaveOut({"code": frozenset(named)}, "t"))
+    assert served[:at] == [data(b) for b, _ in whole[:at]]
+    assert served[at:12] == [data(b) for b, _ in lone[: 12 - at]]
+    assert not {d for _, d in _docs(cfg, lone[: 12 - at], at)} & named
+    assert left["log"] == [{"step": at, "docs": {"code": len(named)}, "why": answer["why"]}]

@@ -232,6 +232,22 @@ def steps_documents(cfg: Config, steps: list[int], *, out: Path | None = None,
     return documents_of(trace(cfg, steps, state=state))
 
 
+def parse_steps(text: str) -> list[int]:
+    """`12`, `41230-41240` or `3,7,9-11`: the steps, ascending, each once (at most 100,001
+    per range). ValueError otherwise."""
+    steps: set[int] = set()
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        try:
+            lo, hi = int(a), int(b or a)
+        except ValueError:
+            raise ValueError(f"{text!r}: expected N, N-M or a comma list of them") from None
+        if lo < 0 or hi < lo or hi - lo > 100_000:
+            raise ValueError(f"{text!r}: {part!r} is not a range of steps")
+        steps.update(range(lo, hi + 1))
+    return sorted(steps)
+
+
 def read_documents(cfg: Config, path: str) -> list[dict]:
     """Documents named in a file: a JSON list or JSON lines of objects, each with `stream`
     and either `doc_id` or `source` and `record` (what `tokenmill trace --json` prints, so
@@ -253,13 +269,18 @@ def read_documents(cfg: Config, path: str) -> list[dict]:
                 except ValueError as e:
                     raise ValueError(f"{path}: line {n}: not JSON: {e}") from None
                 lines.append(n)
+    return named_documents(cfg, entries, [f"{path}: entry {n}" for n in lines])
+
+
+def named_documents(cfg: Config, entries: list, where: list[str]) -> list[dict]:
+    """The documents `entries` name ({stream, doc_id} or {stream, source, record}), as
+    {stream, doc_id}; ValueError naming the entry (`where[i]`) that names none."""
     files = stream_files(cfg)
     index = {name: {f: i for i, f in enumerate(fs)} for name, fs in files.items()}
     docs = []
-    for n, entry in zip(lines, entries, strict=True):
-        where = f"{path}: entry {n}"
+    for at, entry in zip(where, entries, strict=True):
         if not isinstance(entry, dict) or entry.get("stream") not in files:
-            raise ValueError(f"{where}: needs a 'stream' of the config {sorted(files)}")
+            raise ValueError(f"{at}: needs a 'stream' of the config {sorted(files)}")
         stream = entry["stream"]
         if isinstance(entry.get("doc_id"), int) and not isinstance(entry["doc_id"], bool):
             doc_id = entry["doc_id"]
@@ -267,7 +288,7 @@ def read_documents(cfg: Config, path: str) -> list[dict]:
             doc_id = (index[stream][entry["source"]] << RECORD_BITS) | entry["record"]
         else:
             raise ValueError(
-                f"{where}: needs a 'doc_id', or a 'source' (one of stream {stream!r}'s files) "
+                f"{at}: needs a 'doc_id', or a 'source' (one of stream {stream!r}'s files) "
                 "and a 'record'"
             )
         docs.append({"stream": stream, "doc_id": doc_id})
