@@ -256,6 +256,38 @@ def test_page_tells_a_full_window_and_a_slow_rank_apart_from_alarms(browser, fak
     assert "tok/s" in view["producerText"]
 
 
+def test_page_draws_loss_per_stream_and_the_policy_waiting_for_it(browser, fake_service):
+    """The ranks' loss per stream by step, the mixing policy's decisions marked, and a
+    producer waiting for a window's loss said as such (a warning, not an alarm)."""
+    from tests.test_monitoring import RANKS
+
+    server = fake_service["server"]
+    history = [{"step": s, "loss": {"web": 9.0 - s / 10, "code": 8.0 - s / 20},
+                "tokens": {"web": 100, "code": 80}} for s in range(30)]  # fmt: skip
+    server.m["stream_loss"] = {"streams": {"web": {"loss": 6.1, "tokens": 5000, "steps": 30},
+                                           "code": {"loss": 6.6, "tokens": 4000, "steps": 30}},
+                               "history": history, "reports": 60}  # fmt: skip
+    server.m["policy"] = {"every": 5, "delay": 18, "eta": 1.0, "smoothing": 0.0,
+                          "waiting_for_steps": [25, 30],
+                          "decisions": [{"step": 23, "window": [0, 5], "loss": {"web": 8.8},
+                                         "weights": {"web": 0.6, "code": 0.4}}]}  # fmt: skip
+    server.m["producer"] = "waiting_for_loss"
+    server.m["ranks"] = {"0": RANKS["0"]}  # a healthy rank only
+    browser.get(fake_service["base"] + "/")
+    view = wait_page(browser, lambda v: v["producer"] == "waiting_for_loss", "the policy's wait")
+    assert view["plot"]["loss"] == 60, view["plot"]  # 30 steps x 2 streams
+    assert "waiting for the ranks' loss" in view["producerText"]
+    assert not view["alarms"], view["alarms"]
+    assert browser.execute_script(NOT_BLANK, "loss")
+    legend = browser.execute_script("return document.getElementById('loss-legend').textContent")
+    note = browser.execute_script("return document.getElementById('loss-note').textContent")
+    assert "web" in legend and "mixing policy decision" in legend
+    assert "a decision every 5 steps, 18 steps after its window" in note
+    assert "6.1000" in browser.execute_script(
+        "return document.querySelector('#streams tbody').textContent"
+    )
+
+
 def test_docs_try_it_out_sends_the_bearer_token(browser, fake_service):
     """In /docs: Authorize with the token, then "Try it out" on POST /v1/pause succeeds."""
     from selenium.webdriver.common.by import By
