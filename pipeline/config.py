@@ -306,8 +306,8 @@ class PolicyConfig(_Frozen):
     step k*every + delay."""
 
     every: int = Field(ge=1, le=1 << 20)  # N: steps per loss window, and between decisions
-    # D: steps from a window's end to its decision. The service makes up to `prefetch` steps
-    # ahead of training (32 by default): with D above that, deciding never stalls it.
+    # D: steps from a window's end to its decision. The producer waits at step kN + D for the
+    # ranks' reports of steps up to kN - 1; meanwhile the ranks train on the D steps made.
     delay: int = Field(default=40, ge=1, le=1 << 20)
     eta: float = Field(default=1.0, gt=0, le=100)  # the multiplicative step size
     smoothing: float = Field(default=0.0, ge=0, le=1)  # the share of the config's weights kept

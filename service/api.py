@@ -202,6 +202,20 @@ def _unwrap(e: Exception) -> Exception:
     return cause if isinstance(cause, Exception) else e
 
 
+def _if_busy(e: Exception) -> None:
+    """The service is busy with this kind of work (ServiceBusy): a 503 with Retry-After."""
+    if type(e).__name__ == "ServiceBusy":
+        raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
+
+
+def _busy_is_503(call, *args):
+    try:
+        return call(*args)
+    except Exception as e:
+        _if_busy(_unwrap(e))
+        raise
+
+
 def _swagger_assets() -> Path:
     from swagger_ui_bundle import swagger_ui_path
 
@@ -285,6 +299,7 @@ def create_app(backend: Backend) -> FastAPI:
             step = backend.call("set_weights", dict(update.weights))
         except Exception as e:
             e = _unwrap(e)
+            _if_busy(e)
             if isinstance(e, ValueError):
                 raise HTTPException(400, str(e)) from None
             raise
@@ -309,8 +324,7 @@ def create_app(backend: Backend) -> FastAPI:
             done = backend.call("skip", steps, request.docs, request.why, timeout_s=300.0)
         except Exception as e:
             e = _unwrap(e)
-            if type(e).__name__ == "ServiceBusy":
-                raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
+            _if_busy(e)
             if isinstance(e, LookupError | ValueError):
                 raise HTTPException(400, str(e)) from None
             raise
@@ -324,7 +338,7 @@ def create_app(backend: Backend) -> FastAPI:
         "`POST /v1/resume`. Needs `Authorization: Bearer <token>`.",
     )
     def pause() -> dict:
-        return {"state": backend.call("pause")}
+        return {"state": _busy_is_503(backend.call, "pause")}
 
     @app.post(
         "/v1/resume",
@@ -333,7 +347,7 @@ def create_app(backend: Backend) -> FastAPI:
         description="Undoes `POST /v1/pause`. Needs `Authorization: Bearer <token>`.",
     )
     def resume() -> dict:
-        return {"state": backend.call("resume")}
+        return {"state": _busy_is_503(backend.call, "resume")}
 
     @app.get(
         "/v1/state",

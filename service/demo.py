@@ -51,8 +51,8 @@ def _free_port() -> int:
 
 
 # `demo --policy`: the mixing policy on (README "Mixing that follows the loss"). A decision
-# every 5 steps, from the loss of 5 steps, 18 steps after them: the service makes up to 16
-# steps ahead of training here (prefetch), so the ranks never wait for a decision.
+# every 5 steps, from the loss of 5 steps, 18 steps after them: while the producer waits for
+# a window's loss, the ranks train on the 18 steps made (data wait 0.04% measured).
 DEMO_POLICY = {"every": 5, "delay": 18, "eta": 1.0}
 
 

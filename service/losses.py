@@ -38,10 +38,14 @@ class StreamLosses:
         self.reports = 0
         self._carried: dict[int, dict[str, list[float]]] = {}  # a resume's earlier steps
 
-    def carry(self, steps: Mapping[int, Mapping[str, list[float]]]) -> None:
-        """The complete sums of steps reported before a resume (its state carried them)."""
+    def carry(self, steps: Mapping[int, Mapping[str, list[float]]], start: int) -> None:
+        """A resume at step `start`: the complete sums of steps before it that its state
+        carried, and no report of a step from `start` on (a rewound service's earlier reports
+        of those steps are of another run: the ranks report them again)."""
         with self._lock:
             self._carried = {int(k): {n: list(v) for n, v in s.items()} for k, s in steps.items()}
+            for step in [s for s in self._steps if s >= start]:
+                del self._steps[step]
 
     def _step(self, step: int) -> dict[str, list[float]] | None:  # under the lock
         if step in self._carried:

@@ -46,6 +46,8 @@ class Producer:
         self.paused = False
         self.busy = False  # inside feed.next_step(): that step's weights are fixed
         self.gating = False  # inside `gate`
+        # step -> its state before `gate` changed its weights (a rank may hold that one)
+        self.decided_from: dict[int, dict] = {}
         # The first step whose production has not begun: where a weight change takes effect.
         # Changed only under the lock and never backwards, even when the step being made
         # turns out to be past the end of the data.
@@ -102,6 +104,8 @@ class Producer:
                         return
                     step = self.feed.step
                     self.gating = self.gate is not None
+                    if self.gating:  # a weight change from now on is for the step after it
+                        self.first_open = step + 1
                 changed = False
                 try:
                     if self.gate is not None:  # a pause interrupts it too (then asked again)
@@ -110,11 +114,14 @@ class Producer:
                     with self.cond:
                         self.gating = False
                 with self.cond:
-                    if changed:
+                    if changed:  # the state a rank may have taken before stays acceptable
+                        if step in self.states:
+                            self.decided_from[step] = self.states[step]
                         self.states[step] = self.feed.get_state()
                     if self._stop:
                         return
                     if self.paused or not self.window.room():
+                        self.first_open = step  # not begun: a change may still land on it
                         continue
                     self.state = RUNNING
                     self.busy = True
@@ -131,7 +138,8 @@ class Producer:
                     self.window.add(self.feed.step - 1, batch)
                     self.states[self.feed.step] = self.feed.get_state()
                     while len(self.states) > self.keep_states:
-                        self.states.popitem(last=False)
+                        old, _ = self.states.popitem(last=False)
+                        self.decided_from.pop(old, None)
                     self.on_step()
                     self.cond.notify_all()
         except Exception as e:  # carried to every consumer, never swallowed

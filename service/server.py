@@ -171,6 +171,7 @@ class BatchServer:
         self._rank_jobs: dict[int, str] = {}  # rank -> its Ray job id (hello's `client`)
         self._observed: tuple[float, str] = (0.0, "")  # when and what `_observe` last kept
         self._replaying = threading.Lock()  # one provenance replay at a time (`provenance`)
+        self._control = threading.Lock()  # one change of course at a time (`_controlled`)
         self._start_feed(state, allow_config_change, leave_out)
 
     # -- production -------------------------------------------------------------------------
@@ -179,21 +180,42 @@ class BatchServer:
                     leave_out: LeaveOut | None = None) -> None:  # fmt: skip
         carried = self._carried(state)
         feed = self._make_feed(state, allow_config_change, leave_out)
-        self.losses.carry(carried)
+        self.losses.carry(carried, feed.step)
         self._install(feed)
 
     def _carried(self, state: dict | None) -> dict[int, dict[str, list[float]]]:
         """The loss a resume's state carries for the mixing policy's next decisions
         (pipeline/stages/policy.py `LOSSES`), checked; StateError if malformed."""
-        from pipeline.stages.policy import LOSSES, check_losses
+        from pipeline.stages.policy import LOSSES, check_losses, needed_steps
         from pipeline.state.resume import StateError
 
-        if self.steering is None or state is None:
+        policy = self.cfg.mixing.policy
+        if policy is None or state is None:
             return {}
         try:
-            return check_losses(state.get(LOSSES, {}), list(self.cfg.streams))
+            step = int(state["step"])
+            needed = needed_steps(step, policy.every, policy.delay)
+        except (KeyError, TypeError, ValueError):
+            return {}  # the feed refuses the state, with its own error
+        if LOSSES not in state:
+            # A state of a run without the policy (it is turned on at this resume): the steps
+            # before it count as reported with no signal, so the first decisions keep the
+            # weights in effect. Deterministic, as the state is.
+            return {s: {} for s in needed}
+        try:
+            carried = check_losses(state[LOSSES], list(self.cfg.streams))
         except ValueError as e:
             raise StateError(f"resume state: {e}") from None
+        if state.get("config_hash") != self.cfg.config_hash():  # every, delay may differ
+            return {s: carried.get(s, {}) for s in needed}
+        if set(carried) != needed:
+            odd = sorted(set(carried) ^ needed)
+            raise StateError(
+                f"resume state: {LOSSES} holds the loss of steps {sorted(carried)[:3]}..., "
+                f"the mixing policy's next decisions read steps {min(needed)}-{max(needed)} "
+                f"(differing at step {odd[0]}): use the state as the service handed it out"
+            )
+        return carried
 
     def _make_feed(self, state: dict | None, allow_config_change: bool = False,
                    leave_out: LeaveOut | None = None) -> Feed | LanedFeed:  # fmt: skip
@@ -491,8 +513,7 @@ class BatchServer:
             state = states[step]
             producer = self.producer
         if self.steering is not None:  # with the loss its resume decides from
-            stopped = lambda: producer.ended or producer.stopping  # noqa: E731
-            return self.steering.attach(state, step, stopped, wait_s)
+            return self.steering.attach(state, step, lambda: producer.stopping, wait_s)
         return state
 
     def provenance(self, step: int, world_size: int | None = None, text: bool = False) -> list:
@@ -542,13 +563,14 @@ class BatchServer:
         with self._seek_lock:
             with self._cond:
                 held = step in self.window.steps or step == self.window.produced
-                if held and _bare(state) in (self.producer.states.get(step), self._seeked):
+                kept = (self.producer.states.get(step), self.producer.decided_from.get(step))
+                if held and _bare(state) in (*kept, self._seeked):
                     return step
             carried = self._carried(state)
             feed = self._make_feed(state)  # raises on a bad state; nothing changed yet
             self.producer.stop()  # also stops the old feed's reads
             with self._cond:
-                self.losses.carry(carried)
+                self.losses.carry(carried, feed.step)
                 self._install(feed)
                 self._seeked = _bare(state)
                 self._wake_all()
@@ -568,12 +590,13 @@ class BatchServer:
         no new generation. A feed that cannot be built leaves the running one as it was. The
         state carries the list and its log (step, count, `why`), so every later state and
         resume leaves them out too."""
-        from pipeline.inspect.provenance import documents_of, leave_out, named_documents
+        from pipeline.inspect.provenance import leave_out, named_documents
 
-        with self._seek_lock:
-            named = []
-            for step in steps or []:
-                named += documents_of(self.provenance(step, 1))
+        with self._seek_lock, self._controlled():
+            if self._stop_requested or self.producer.stopping or self.producer.error:
+                why_not = self.producer.error or "stopping"
+                raise ValueError(f"the service is not making steps ({why_not}): nothing to skip")
+            named = self._step_documents(steps) if steps else []
             if docs:
                 named += named_documents(self.cfg, list(docs),
                                          [f"docs[{i}]" for i in range(len(docs))])  # fmt: skip
@@ -594,6 +617,7 @@ class BatchServer:
                                      "nothing is left to leave out")  # fmt: skip
                 step = self.feed.step
                 state = self.producer.states[step]
+                assert step == self.window.produced  # paused and idle: nothing is being made
             try:
                 feed = self._make_feed(state, leave_out=chosen)
             except BaseException:
@@ -606,6 +630,46 @@ class BatchServer:
                 self._wake_all()
             count = {k: len(v) for k, v in chosen.docs.items()}
             return {"step": step, "left_out": count, "why": chosen.why}
+
+    @contextlib.contextmanager
+    def _controlled(self):
+        """One change of the producer's course at a time (a skip, a weight change, a pause
+        or resume): a skip pauses the producer and builds a new feed from the state where it
+        stopped, and a change in between would be lost or undone. Busy for 5 s: ServiceBusy."""
+        if not self._control.acquire(timeout=5.0):
+            raise ServiceBusy("a skip is being applied (POST /v1/skips); try again")
+        try:
+            yield
+        finally:
+            self._control.release()
+
+    def _step_documents(self, steps: list[int]) -> list[dict]:
+        """The distinct documents global `steps` drew: from the window where it holds them,
+        the others recomputed in one pass from the newest state kept at or before the first."""
+        from pipeline.inspect.provenance import documents_of, segments, state_steps, stream_files
+
+        with self._cond:
+            produced = self.window.produced
+            if steps[-1] >= produced:
+                raise StepGone(f"step {steps[-1]} has not been made (made: {produced}): name "
+                               "the documents of steps to come with `docs`")  # fmt: skip
+            batches = {s: self.window.steps[s] for s in steps if s in self.window.steps}
+            rest = [s for s in steps if s not in batches]
+            states = self.producer.states
+            base = max((k for k in states if k <= rest[0]), default=None) if rest else None
+            state = None if base is None else states[base]
+        if rest:
+            if state is None:
+                raise StepGone(f"no state at or before step {rest[0]} is kept")
+            if not self._replaying.acquire(blocking=False):
+                raise ServiceBusy("another step's provenance is being recomputed; try again")
+            try:
+                batches.update(state_steps(self.cfg, state, rest))
+            finally:
+                self._replaying.release()
+        files = stream_files(self.cfg)
+        G = self.cfg.global_batch_size
+        return documents_of(s for step in steps for s in segments(batches[step], step, files, 1, G))
 
     def _swap(self, feed: Feed | LanedFeed, old, paused: bool) -> None:
         """Under the lock: `feed` (at the step `old` stopped at) makes the steps from here on,
@@ -628,7 +692,7 @@ class BatchServer:
                 f"weights must name every stream; missing: {', '.join(missing)} "
                 f"(streams: {', '.join(self.cfg.streams)})"
             )
-        with self._cond:
+        with self._controlled(), self._cond:
             # The first step whose production has not begun; it changes only under this lock
             # (feed.step moves inside next_step, outside it), so concurrent calls agree and
             # the schedule never goes backwards, also across the end of the data.
@@ -637,13 +701,15 @@ class BatchServer:
             return step
 
     def pause(self) -> str:
-        self.producer.set_paused(True)
+        with self._controlled():
+            self.producer.set_paused(True)
         with self._cond:
             self._observe()
         return "paused"
 
     def resume(self) -> str:
-        self.producer.set_paused(False)
+        with self._controlled():
+            self.producer.set_paused(False)
         with self._cond:
             self._observe()
         return "running"

@@ -27,7 +27,7 @@ from pipeline.config import Config
 from pipeline.stages.policy import LOSSES, SOURCE, decide, window_for, windows_after
 from pipeline.state.resume import seal
 from service.losses import StreamLosses
-from wire.protocol import ServiceBusy
+from wire.protocol import ServiceBusy, StepGone
 
 DECISIONS_KEPT = 256  # recent decisions in /v1/metrics (the weights are in the history too)
 
@@ -118,24 +118,26 @@ class Steering:
     def attach(self, state: dict, step: int, stopped: Callable[[], bool],
                wait_s: float | None = None) -> dict:  # fmt: skip
         """`state` (the state at `step`) with the loss of the steps before `step` that the
-        decisions at `step` or later read, sealed again. Waits for them (as `gate`); with
-        `wait_s` (the API's, which asks for any step, also one the ranks have not trained),
-        ServiceBusy once that is over."""
+        decisions at `step` or later read, sealed again. Waits for them, up to `wait_s`
+        (default the policy's): the API asks for any step, also one the ranks have not
+        trained; a rank asks within its call's timeout. ServiceBusy once that is over, and
+        StepGone if the sequence is replaced meanwhile: never a state without them."""
         carried: dict[str, dict] = {}
         for lo, hi in windows_after(step, self.policy.every, self.policy.delay):
             hi = min(hi, step)
             try:
                 means = self._wait(lo, hi, stopped, producer=False, wait_s=wait_s)
-            except PolicyStalled:
-                if wait_s is None:
-                    raise
+            except PolicyStalled as e:
                 raise ServiceBusy(
                     f"the state at step {step} carries the loss of steps {lo}-{hi - 1} for the "
-                    "mixing policy, and the ranks have not reported it yet (they train behind "
-                    "the steps made): ask for the state of a step they have trained (?step=N)"
+                    f"mixing policy, not all reported yet ({e}); a state of a step every rank "
+                    "has trained and reported is complete (ranks train behind the steps made)"
                 ) from None
-            if means is None:
-                break  # stopped, or the data ended: no decision will read them
+            if means is None:  # never a state without the loss its resume decides from
+                raise StepGone(
+                    f"the service restarted its sequence while the state at step {step} "
+                    "waited for the loss it carries"
+                )
             for s in range(lo, hi):
                 sums = self.losses.sums(s)
                 assert sums is not None  # complete: _wait saw it, and a complete step stays

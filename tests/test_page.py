@@ -258,7 +258,7 @@ def test_page_tells_a_full_window_and_a_slow_rank_apart_from_alarms(browser, fak
 
 def test_page_draws_loss_per_stream_and_the_policy_waiting_for_it(browser, fake_service):
     """The ranks' loss per stream by step, the mixing policy's decisions marked, and a
-    producer waiting for a window's loss said as such (a warning, not an alarm)."""
+    producer waiting for a window's loss said as such (normal at a decision: no alarm)."""
     from tests.test_monitoring import RANKS
 
     server = fake_service["server"]

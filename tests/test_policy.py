@@ -3,6 +3,7 @@ and a service that follows synthetic loss reports, resumed mid-way byte for byte
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -206,3 +207,141 @@ def test_the_api_state_of_a_step_not_trained_yet_is_a_503_not_a_hang(tmp_path, r
         assert r.status_code == 200 and sorted(r.json()[LOSSES]) == ["0", "1", "2", "3"]
     finally:
         srv.close()
+
+
+def test_a_decision_before_a_scheduled_change_goes_before_it():
+    """A config `schedule:` entry ahead, and the policy (or the API) changes the weights
+    before it: the change is inserted in step order and the schedule still takes over."""
+    from pipeline.stages.mixing import DeficitMixer
+
+    m = DeficitMixer(["code", "prose"], BASE)
+    m.schedule(1000, {"code": 0.5, "prose": 0.5}, "schedule")
+    m.begin_step(140)
+    m.schedule(140, {"code": 0.4, "prose": 0.6}, "policy")
+    assert [c.step for c in m.history] == [0, 140, 1000]
+    assert m.scheduled_weights(140).tolist() == pytest.approx([0.4, 0.6])
+    assert m.scheduled_weights(1000).tolist() == pytest.approx([0.5, 0.5])
+
+
+def test_carried_losses_are_checked_and_a_rewind_forgets_later_reports():
+    from pipeline.stages.policy import check_losses, needed_steps
+    from service.losses import StreamLosses
+
+    names = ["code", "prose"]
+    assert check_losses({"3": {"code": [6.0, 3]}}, names) == {3: {"code": [6.0, 3.0]}}
+    for bad in ([], {"x": {}}, {"-1": {}}, {"3": {"web": [1, 1]}}, {"3": {"code": [True, 1]}},
+                {"3": {"code": [10**400, 1]}}, {"3": {"code": [1.0, -1]}}, {"3": {"code": [1]}},
+                {"9" * 30: {}}):  # fmt: skip
+        with pytest.raises(ValueError):
+            check_losses(bad, names)
+    assert needed_steps(7, 3, 2) == {3, 4, 5, 6} and needed_steps(0, 3, 2) == set()
+    agg = StreamLosses(names)
+    for step in range(6):
+        agg.add(0, 1, step, {"code": [float(step), 1]})
+    agg.carry({0: {"code": [100.0, 1]}}, start=4)  # a rewind to step 4
+    assert agg.mean(0, 1) == {"code": 100.0, "prose": None}, "carried wins"
+    assert agg.mean(3, 4) == {"code": 3.0, "prose": None} and agg.mean(4, 5) is None
+    agg.add(0, 1, 4, {"code": [40.0, 1]})  # reported again after the rewind: counted
+    assert agg.mean(4, 5) == {"code": 40.0, "prose": None}
+
+
+@pytest.mark.slow
+def test_the_policy_turned_on_at_a_resume_and_a_state_missing_its_loss(tmp_path, ray_cluster):
+    """A state of a run without the policy: the steps before it count as reported with no
+    signal, so the first decision keeps the weights. A policy state whose carried loss is
+    incomplete is refused by name."""
+    from pipeline.state.resume import StateError, seal
+    from service.server import BatchServer
+
+    cfg = _config(tmp_path)
+    plain = cfg.model_copy(update={"mixing": cfg.mixing.model_copy(update={"policy": None})})
+    srv = BatchServer(plain.model_dump(mode="json"), prefetch=2)
+    try:
+        _serve(srv, 0, 4, report=False)
+        state = srv.state(4)
+    finally:
+        srv.close()
+    assert LOSSES not in state
+    spec = cfg.model_dump(mode="json")
+    on = BatchServer(spec, state=state, prefetch=2, allow_config_change=True)
+    try:
+        _serve(on, 4, 10)
+        first = next(c for c in on.mixture()["history"] if c["source"] == "policy")
+        with_loss = on.state(7)
+    finally:
+        on.close()
+    assert first["step"] == 5 and first["weights"] == pytest.approx(BASE), "no signal: kept"
+    broken = {k: v for k, v in with_loss.items() if k != "digest"}
+    broken[LOSSES] = {k: v for k, v in broken[LOSSES].items() if k != "3"}
+    with pytest.raises(StateError, match="next decisions read steps 3-6"):
+        BatchServer(spec, state=seal(broken), prefetch=2)
+
+
+@pytest.mark.slow
+def test_four_ranks_and_api_calls_at_once_get_the_lone_ranks_rows(tmp_path, ray_cluster):
+    """World 4 (a thread per rank, each reporting the loss of its own rows) while the API
+    reads metrics, mixtures and states: the rows equal a lone rank's, decision for decision
+    (they follow the reported loss, never who reported first)."""
+    import threading
+
+    from service.server import BatchServer
+    from wire.arrays import from_ipc
+    from wire.layout import expand
+    from wire.protocol import ServiceBusy
+
+    spec = _config(tmp_path, wait_s=60).model_dump(mode="json")
+    steps = 16
+
+    def rows(reply) -> list[dict]:
+        return expand(from_ipc(reply.runs[0])).to_pylist()
+
+    lone = BatchServer(spec, prefetch=2)
+    try:
+        want = [expand(from_ipc(b)).to_pylist() for b in _serve(lone, 0, steps)]
+        want_history = lone.mixture()["history"]
+    finally:
+        lone.close()
+
+    srv = BatchServer(spec, prefetch=2)
+    got: dict[int, list] = {}
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def rank(r: int) -> None:
+        try:
+            srv.hello(r, 4)
+            for step in range(steps):
+                deadline = time.time() + 60
+                while not (reply := srv.get(r, 4, step, 1.0)).ready:
+                    assert time.time() < deadline, reply.reason
+                got[(r, step)] = rows(reply)
+                quarter = {k: [v[0] / 4, v[1] / 4] for k, v in _loss(step).items()}
+                srv.report_loss(r, 4, step, quarter)
+        except BaseException as e:  # raised below, in the test's thread
+            errors.append(e)
+
+    def api() -> None:
+        while not done.is_set():
+            srv.metrics(), srv.mixture(), srv.status()
+            with contextlib.suppress(ServiceBusy):  # a state whose loss is not in yet
+                srv.state(None, 0.05)
+            time.sleep(0.01)
+
+    try:
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+        watcher = threading.Thread(target=api)
+        for t in (*threads, watcher):
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        done.set()
+        watcher.join(timeout=30)
+        assert not errors, errors
+        history = srv.mixture()["history"]
+    finally:
+        srv.close()
+    for step in range(steps):
+        assert [row for r in range(4) for row in got[(r, step)]] == want[step], step
+    assert [c for c in history if c["source"] == "policy"] == [
+        c for c in want_history if c["source"] == "policy"
+    ]

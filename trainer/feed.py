@@ -51,6 +51,7 @@ from wire.protocol import (
     META_STEP_ROWS,
     NAMESPACE,
     POLL_S,
+    REPORT_GROUP,
     SERVICE_NAME,
 )
 
@@ -302,7 +303,7 @@ class Feed:
                 # Told the end: keep the final state (its checkpoint may come after `serve`
                 # has gone), then nothing holds this rank any more.
                 try:
-                    self._final_state = self._call("state", self.step)
+                    self._final_state = self._state()
                 except FeedError:
                     self._final_state = None
                 self._ended = True
@@ -332,11 +333,11 @@ class Feed:
         the service joins the ranks' reports per step (metrics, page, the mixing policy)."""
         if self.server is None:
             return
-        fn = self.server.report_loss.options(concurrency_group=CONTROL_GROUP)
+        fn = self.server.report_loss.options(concurrency_group=REPORT_GROUP)
         fn.remote(self.rank, self.world_size, int(step), losses)
 
     def report_wait(self, seconds: float) -> None:
-        fn = self.server.report_wait.options(concurrency_group=CONTROL_GROUP)
+        fn = self.server.report_wait.options(concurrency_group=REPORT_GROUP)
         fn.remote(self.rank, float(seconds))  # fire and forget
 
     def state_dict(self) -> dict:
@@ -344,7 +345,13 @@ class Feed:
         the end, the state after the last step, kept when the end came."""
         if self._ended and self._final_state is not None:
             return self._final_state
-        return self._call("state", self.step)
+        return self._state()
+
+    def _state(self) -> dict:
+        # Under the mixing policy the state waits for the other ranks' loss of the steps
+        # before it: within this call's own timeout, so that the service never waits longer
+        # for an answer nobody takes.
+        return self._call("state", self.step, max(1.0, self.timeout_s - 5))
 
     def close(self) -> None:
         self._beating.set()

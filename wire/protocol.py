@@ -36,7 +36,10 @@ META_STEP_ROWS = b"step_rows"
 CONSUMER_GROUP = "consumers"
 CONTROL_GROUP = "control"
 BEAT_GROUP = "beats"  # ranks' liveness beats: never queued behind long polls or the API
-CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16, BEAT_GROUP: 4}
+# The ranks' loss and data-wait reports: never queued behind calls that wait for them (a
+# rank's state under the mixing policy waits for the loss the other ranks report).
+REPORT_GROUP = "reports"
+CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16, BEAT_GROUP: 4, REPORT_GROUP: 4}
 # A rank's client beats this often at most (more often under a short rank_timeout_s: a
 # quarter of it), with the step it has consumed: liveness follows training, not fetching.
 BEAT_S = 5.0

@@ -32,6 +32,7 @@ at HISTORY_PAST + 2.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -93,12 +94,12 @@ class DeficitMixer:
     def _add(self, step: int, weights: Mapping[str, float], source: str) -> int:
         normalize_weights(weights, self.names)  # validates
         change = WeightChange(step, {k: float(v) for k, v in weights.items()}, source)
-        if self.history and step < self.history[-1].step:
-            raise ValueError(
-                f"weight change at step {step} is before the last one ({self.history[-1].step})"
-            )
-        if self.history and step == self.history[-1].step:
-            self.history[-1] = change  # the earlier change at this step is never in effect
+        # In step order: a change may come before one scheduled later (a config `schedule:`
+        # entry ahead, and the API or the mixing policy now); the later one still takes
+        # over at its step.
+        at = bisect.bisect_right([c.step for c in self.history], step)
+        if at and self.history[at - 1].step == step:
+            self.history[at - 1] = change  # the earlier change at this step is never in effect
             self.history_dropped += 1
             return step
         pending = sum(1 for c in self.history if c.step > self._step)
@@ -107,7 +108,7 @@ class DeficitMixer:
                 f"{pending} weight changes are already scheduled after step {self._step}; "
                 f"at most {HISTORY_PENDING} may wait (change weights nearer their step)"
             )
-        self.history.append(change)
+        self.history.insert(at, change)
         return step
 
     def schedule(self, step: int, weights: Mapping[str, float], source: str = "api") -> int:

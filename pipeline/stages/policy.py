@@ -31,6 +31,7 @@ resumed run makes the same decisions from the same numbers, never from a differe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -107,6 +108,12 @@ def decide(
     return dict(zip(names, project(mixed, lo, hi).tolist(), strict=True))
 
 
+def needed_steps(step: int, every: int, delay: int) -> set[int]:
+    """The steps before `step` whose loss the decisions at `step` or later read: what a
+    state at `step` carries (`LOSSES`)."""
+    return {s for lo, hi in windows_after(step, every, delay) for s in range(lo, min(hi, step))}
+
+
 def check_losses(losses, names: list[str]) -> dict[int, dict[str, list[float]]]:
     """A state's carried window losses (`LOSSES`), checked: {step: {stream: [sum, tokens]}}.
     Raises ValueError naming the entry otherwise."""
@@ -114,14 +121,29 @@ def check_losses(losses, names: list[str]) -> dict[int, dict[str, list[float]]]:
         raise ValueError(f"{LOSSES} must be an object, got {type(losses).__name__}")
     out: dict[int, dict[str, list[float]]] = {}
     for key, sums in losses.items():
-        if not (isinstance(key, str) and key.isdigit()) or not isinstance(sums, dict):
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 19) or not isinstance(
+            sums, dict
+        ):
             raise ValueError(f"{LOSSES}.{key}: expected a step and {{stream: [sum, tokens]}}")
         step: dict[str, list[float]] = {}
         for name, pair in sums.items():
-            ok = (isinstance(pair, list) and len(pair) == 2
-                  and all(isinstance(x, int | float) and np.isfinite(x) and x >= 0 for x in pair))  # fmt: skip
-            if name not in names or not ok:
+            if name not in names or not _pair(pair):
                 raise ValueError(f"{LOSSES}.{key}.{name}: expected a stream and [sum, tokens]")
             step[name] = [float(pair[0]), float(pair[1])]
         out[int(key)] = step
     return out
+
+
+def _pair(pair) -> bool:
+    """[loss sum, tokens]: two finite numbers >= 0 (not booleans), tokens < 2**40."""
+    if not (isinstance(pair, list) and len(pair) == 2):
+        return False
+    for x in pair:
+        if isinstance(x, bool) or not isinstance(x, int | float):
+            return False
+        try:
+            if not (math.isfinite(x) and 0 <= x < 2**62):
+                return False
+        except OverflowError:
+            return False
+    return pair[1] < 2**40
