@@ -427,11 +427,6 @@ class Config(_Frozen):
             if unknown:
                 raise ValueError(f"mixing.policy.{key} names unknown stream(s) {unknown} "
                                  f"(streams: {', '.join(self.streams)})")  # fmt: skip
-        if self.lanes > 1:
-            raise ValueError(
-                f"mixing.policy does not run with lanes: {self.lanes} yet (every lane would "
-                "have to stop at each decision step); use lanes: 1"
-            )
         lo, hi = policy.bounds_for(self.weights)
         if lo.sum() > 1 + 1e-9 or hi.sum() < 1 - 1e-9:
             raise ValueError(

@@ -47,6 +47,7 @@ from pipeline.feed import Feed, LeaveOut, next_steps
 from pipeline.read.reading import iter_blocks_local, iter_blocks_ray, with_head_start
 from pipeline.stages.documents import Reject
 from pipeline.stages.mixing import DeficitMixer
+from pipeline.stages.policy import window_for
 from pipeline.state.resume import (
     CONFIG_HASH,
     DOCS_EMITTED,
@@ -97,8 +98,8 @@ class LaneWorker:
         self.feed.rejects.clear()
         return [(to_ipc(b) if self.ipc else b, s) for b, s in made], rejects
 
-    def set_weights(self, weights: dict[str, float], step: int) -> int:
-        return self.feed.set_weights(weights, step)
+    def set_weights(self, weights: dict[str, float], step: int, source: str = "api") -> int:
+        return self.feed.set_weights(weights, step, source)
 
     def state(self) -> dict:
         """The lane's state now (before its first step: where it starts)."""
@@ -242,7 +243,8 @@ class LanedFeed:
         self.mixer.begin_step(self.step)
         self.finished = False
         self._ready: collections.deque = collections.deque()
-        self._pending: list | None = None  # the lanes' answers to the chunk asked for ahead
+        # The chunk asked for ahead: its step count and the lanes' answers to come.
+        self._pending: tuple[int, list] | None = None
         self._asked = self.step  # steps asked of every lane: the first step no lane has begun
         # The state after the last step handed out; at the start, the lanes' own.
         self._state: dict | None = (
@@ -267,15 +269,33 @@ class LanedFeed:
             self._count(batch)
         return batch
 
-    def _ask(self) -> list:
+    def _room(self) -> int:
+        """How many steps may be asked of the lanes now: STEPS_PER_CALL, but never past the
+        next decision of the mixing policy after the step being made (`mixing.policy`): its
+        weights are decided (`set_weights`) just before it is made, so no lane may begin it
+        earlier. A decision at or before `self.step` is made already."""
+        policy = self.cfg.mixing.policy
+        if policy is None:
+            return STEPS_PER_CALL
+        for step in range(self.step + 1, self._asked + STEPS_PER_CALL):
+            if window_for(step, policy.every, policy.delay) is not None:
+                return min(STEPS_PER_CALL, step - self._asked)
+        return STEPS_PER_CALL
+
+    def _ask(self) -> tuple[int, list] | None:
         # Under the lock: a weight change submitted to the lanes is ordered before or after
         # the whole chunk in every lane (an actor runs one caller's calls in order).
         with self._lock:
-            self._asked += STEPS_PER_CALL
-            return [lane.call("steps", STEPS_PER_CALL, self.state_every) for lane in self.lanes]
+            n = self._room()
+            if n <= 0:
+                return None
+            self._asked += n
+            return n, [lane.call("steps", n, self.state_every) for lane in self.lanes]
 
     def _fill(self) -> None:
-        asked = self._pending if self._pending is not None else self._ask()
+        chunk = self._pending if self._pending is not None else self._ask()
+        assert chunk is not None  # nothing pending and nothing ready: the step made is asked
+        n, asked = chunk
         answers = []
         for k, (lane, handle) in enumerate(zip(self.lanes, asked, strict=True)):
             try:
@@ -292,7 +312,7 @@ class LanedFeed:
                     self.rejects.append(reject)
         made = [steps for steps, _ in answers]
         per_lane = self.cfg.global_batch_size // self.cfg.lanes
-        for j in range(STEPS_PER_CALL):
+        for j in range(n):
             if any(len(steps) <= j for steps in made):
                 self.finished = True  # a lane has no step here: the sequence ends before it
                 return
@@ -365,10 +385,15 @@ class LanedFeed:
         normalize_weights(weights, self.names)  # refused here, before any lane changes
         with self._lock:  # the producer thread asks for chunks (`_ask`) meanwhile
             step = max(step, self._asked)
-            calls = [lane.call("set_weights", weights, step) for lane in self.lanes]
+            calls = [lane.call("set_weights", weights, step, source) for lane in self.lanes]
             self.mixer.schedule(step, weights, source=source)
         got = [lane.get(call) for lane, call in zip(self.lanes, calls, strict=True)]
         assert set(got) == {step}, got
+        with self._lock:
+            if step == self.step == self._asked and self._state is not None:
+                # Before its step is begun (the mixing policy's decisions): the state at it
+                # holds the change, as a single feed's would, so a replay from it agrees.
+                self._state = self._nest([lane.get(lane.call("state")) for lane in self.lanes])
         return step
 
     def close(self) -> None:

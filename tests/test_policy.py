@@ -99,7 +99,6 @@ def test_the_policy_is_part_of_the_config_hash_only_when_on(tmp_path):
     assert cfg.config_hash() != off.config_hash() and cfg.config_hash() == longer.config_hash()
     data = cfg.model_dump(mode="json")
     for bad, match in (
-        ({"lanes": 2}, "lanes"),
         ({"mixing": {"policy": {"every": 3, "bounds": {"web": [0, 1]}}}}, "unknown stream"),
         ({"mixing": {"policy": {"every": 3, "bounds": {"code": [0.8, 1], "prose": [0.5, 1]}}}},
          "sum to"),
@@ -135,11 +134,14 @@ def _serve(srv, first: int, last: int, report=True) -> list[bytes]:
 
 
 @pytest.mark.slow
-def test_a_service_follows_the_loss_and_resumes_mid_way_byte_for_byte(tmp_path, ray_cluster):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_service_follows_the_loss_and_resumes_mid_way_byte_for_byte(tmp_path, ray_cluster, lanes):
+    """With lanes too: every lane takes each decision's weights at its step (the lanes are
+    asked for no step past a decision before it is made)."""
     from service.server import BatchServer
 
     cfg = _config(tmp_path, wait_s=20)  # a resume missing its window's loss fails in 20 s
-    spec = cfg.model_dump(mode="json")
+    spec = cfg.model_dump(mode="json") | {"lanes": lanes}
     srv = BatchServer(spec, prefetch=2)
     try:
         whole = _serve(srv, 0, 18)

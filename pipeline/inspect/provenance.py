@@ -161,7 +161,8 @@ def _check_policy(cfg: Config, state: dict, at: int, last: int) -> None:
     policy = cfg.mixing.policy
     if policy is None:
         return
-    history = state.get("packer", {}).get("mixer", {}).get("history", [])
+    feed = state["lanes"][0] if "lanes" in state else state  # every lane has the history
+    history = feed.get("packer", {}).get("mixer", {}).get("history", [])
     decided = {c.get("step") for c in history if c.get("source") == SOURCE}
     for t in range(at, last + 1):
         if window_for(t, policy.every, policy.delay) and t not in decided:
