@@ -226,8 +226,22 @@ def test_a_service_resumed_leaving_documents_out_serves_none_of_them(corpus, ray
         srv.close()
 
 
+def _laned(cfg, state=None, leave_out=None, state_every=0):
+    """`_run` for a config with lanes: the lanes in this process."""
+    from pipeline.lanes import LanedFeed
+
+    feed = LanedFeed(cfg, local=True, state=state, leave_out=leave_out, state_every=state_every)
+    try:
+        return next_steps(feed, 10_000, state_every), None
+    finally:
+        feed.close()
+
+
 @pytest.mark.slow
-def test_a_running_service_leaves_documents_out_through_the_api(corpus, ray_cluster, monkeypatch):
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_running_service_leaves_documents_out_through_the_api(
+    corpus, ray_cluster, monkeypatch, lanes
+):
     """POST /v1/skips: from the first step not made, the service makes exactly what a resume
     from that step's state with the documents left out makes; the steps made before are
     unchanged, the rank connected all along goes on (no restart), the log says who asked."""
@@ -239,8 +253,9 @@ def test_a_running_service_leaves_documents_out_through_the_api(corpus, ray_clus
     from wire.layout import expand
 
     monkeypatch.setenv("TOKENMILL_API_TOKEN", "t0ken")
-    cfg = config(corpus, "bfd")
-    whole, _ = _run(cfg, state_every=1)
+    cfg = config(corpus, "bfd", lanes=lanes)
+    run = _run if lanes == 1 else _laned
+    whole, _ = run(cfg, state_every=1)
     srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
     try:
 
@@ -278,7 +293,7 @@ def test_a_running_service_leaves_documents_out_through_the_api(corpus, ray_clus
 
     served = [data(from_ipc(r.runs[0])) for r in got]
     # Before the effective step: the steps as made; from it: a resume from there, leaving out.
-    lone, _ = _run(cfg, state=whole[at - 1][1], leave_out=LeaveOut({"code": frozenset(named)}, "t"))
+    lone, _ = run(cfg, state=whole[at - 1][1], leave_out=LeaveOut({"code": frozenset(named)}, "t"))
     assert served[:at] == [data(b) for b, _ in whole[:at]]
     assert served[at:12] == [data(b) for b, _ in lone[: 12 - at]]
     assert not {d for _, d in _docs(cfg, lone[: 12 - at], at)} & named
