@@ -360,6 +360,15 @@ class ScheduleEntry(_Frozen):
     weights: dict[str, float]
 
 
+class AutoscaleConfig(_Frozen):
+    """`service.autoscale`: ask the cluster's autoscaler for CPUs while the ranks wait for
+    data, and withdraw the request when the service is ahead (service/demand.py)."""
+
+    max_cpus: int = Field(ge=1, le=1 << 20)  # never ask for more
+    up_wait: float = Field(default=0.05, gt=0, lt=1)  # the worst rank's data-wait share
+    cooldown_s: float = Field(default=60.0, ge=0, le=86_400)  # between two changes
+
+
 class ServiceConfig(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -377,6 +386,8 @@ class ServiceConfig(_Frozen):
     # prefetch_window). A rank takes up to this many in one call; a mixture change lands at
     # most this many steps after the ranks' position.
     prefetch: int | None = Field(default=None, ge=1, le=4096)
+    # None: the service never asks the cluster for CPUs (service/demand.py says when it does).
+    autoscale: AutoscaleConfig | None = None
 
 
 class Config(_Frozen):

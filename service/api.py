@@ -538,6 +538,11 @@ def _families(m: dict, st: dict) -> list:
         m.get("data_wait_s_last_60s"),
     )
     gauge("up", "1 while running", 1.0 if st.get("state") in ("running", "paused") else 0.0)
+    scale = st.get("autoscale")
+    if isinstance(scale, dict):
+        gauge("autoscale_requested_cpus", "CPUs the service asks the cluster's autoscaler for "
+              "while ranks wait for data (service.autoscale; 0: no request)",
+              scale.get("requested_cpus"))  # fmt: skip
     producer = m.get("producer", st.get("producer"))
     if isinstance(producer, str):
         states = PRODUCER_STATES if producer in PRODUCER_STATES else (*PRODUCER_STATES, producer)

@@ -103,6 +103,7 @@ class _Default(enum.Enum):
 
 
 _DEFAULT = _Default.TOKEN
+AUTOSCALE_TICK_S = 5.0  # how often service.autoscale looks at the signals
 # Past this many ranks, the lag history keeps min / median / max, not every rank's lag (an hour
 # of one-second samples of 1,024 ranks held ~220 MB and took 0.4 s to serve under the lock).
 OBSERVED_RANKS = 64
@@ -172,6 +173,15 @@ class BatchServer:
         self._observed: tuple[float, str] = (0.0, "")  # when and what `_observe` last kept
         self._replaying = threading.Lock()  # one provenance replay at a time (`provenance`)
         self._control = threading.Lock()  # one change of course at a time (`_controlled`)
+        self._closed = threading.Event()
+        self.demand = None
+        scale = self.cfg.service.autoscale
+        if scale is not None:
+            from service.demand import Demand
+
+            self.demand = Demand(scale.max_cpus, scale.up_wait, scale.cooldown_s)
+            threading.Thread(target=self._autoscale, name="tokenmill-autoscale",
+                             daemon=True).start()  # fmt: skip
         self._start_feed(state, allow_config_change, leave_out)
 
     # -- production -------------------------------------------------------------------------
@@ -731,7 +741,43 @@ class BatchServer:
             return self.telemetry.drain_rejects()
 
     def close(self) -> None:
+        self._closed.set()
         self.producer.stop()
+        if self.demand is not None and self.demand.requested:  # the request outlives us else
+            from ray.autoscaler.sdk import request_resources
+
+            with contextlib.suppress(Exception):
+                request_resources(num_cpus=0)
+                self.demand.changed(time.time(), 0, "the service closed", None)
+
+    def _autoscale(self, tick_s: float = AUTOSCALE_TICK_S) -> None:
+        """service.autoscale (service/demand.py): every `tick_s`, the ranks' data wait and the
+        producer's states over the last minute decide whether to ask the cluster for CPUs
+        (`close` withdraws the request)."""
+        import ray
+        from ray.autoscaler.sdk import request_resources
+
+        from service.demand import producer_shares
+
+        assert self.demand is not None
+        while not self._closed.wait(tick_s):
+            now = time.time()  # the telemetry's clock
+            waits = {r: s for r, (s, _) in self.telemetry.wait_by_rank().items()}
+            observed = [(o["t"], o["producer"]) for o in self.telemetry.observations_view()]
+            try:
+                cpus = float(ray.cluster_resources().get("CPU", 0))
+            except Exception:
+                continue  # Ray not answering now: no decision this tick
+            decided = self.demand.decide(now, waits, producer_shares(observed, now), cpus)
+            if decided is None:
+                continue
+            want, reason = decided
+            try:
+                request_resources(num_cpus=want)
+                error = None
+            except Exception as e:  # recorded with the change, shown in /v1/status
+                error = f"{type(e).__name__}: {e}"
+            self.demand.changed(now, want, reason, error)
 
     def mixture(self) -> dict:
         with self._cond:
@@ -786,6 +832,7 @@ class BatchServer:
                 "owner": {k: v for k, v in self._owner.items() if k != "beat"},
                 "owner_beat_s_ago": None if beat is None else time.time() - beat,
                 "server": {"pid": os.getpid(), "host": socket.gethostname()},
+                "autoscale": None if self.demand is None else self.demand.view(),
             }
 
     def metrics(self) -> dict:

@@ -44,7 +44,8 @@ class FakeServer:
 
     def status(self):
         return {"state": "running", "producer": self.m.get("producer"), "global_step": 64,
-                "streams": ["web", "code"], "world_size": 2}  # fmt: skip
+                "streams": ["web", "code"], "world_size": 2,
+                "autoscale": self.m.get("autoscale")}  # fmt: skip
 
     def metrics(self):
         return dict(self.m)

@@ -273,10 +273,14 @@ def test_page_draws_loss_per_stream_and_the_policy_waiting_for_it(browser, fake_
                                          "weights": {"web": 0.6, "code": 0.4}}]}  # fmt: skip
     server.m["producer"] = "waiting_for_loss"
     server.m["ranks"] = {"0": RANKS["0"]}  # a healthy rank only
+    server.m["autoscale"] = {"max_cpus": 64, "requested_cpus": 5, "changes": [
+        {"t": 0, "requested_cpus": 5, "reason": "ranks waited up to 20% of the last 60 s",
+         "error": None}]}  # fmt: skip
     browser.get(fake_service["base"] + "/")
     view = wait_page(browser, lambda v: v["producer"] == "waiting_for_loss", "the policy's wait")
     assert view["plot"]["loss"] == 60, view["plot"]  # 30 steps x 2 streams
     assert "waiting for the ranks' loss" in view["producerText"]
+    assert "asking the cluster for 5 CPUs (ranks waited up to 20%" in view["status"]
     assert not view["alarms"], view["alarms"]
     assert browser.execute_script(NOT_BLANK, "loss")
     legend = browser.execute_script("return document.getElementById('loss-legend').textContent")

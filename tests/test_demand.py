@@ -1,0 +1,80 @@
+"""`service.autoscale`: the service asks the cluster for CPUs while the ranks wait for data
+and withdraws the request when it is ahead (service/demand.py), on a real local Ray."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from service.demand import WINDOW_S, Demand, producer_shares
+
+
+def test_producer_shares_weigh_each_state_by_how_long_it_lasted():
+    now = 1000.0
+    obs = [(now - 100, "making"), (now - 30, "window_full"), (now - 15, "making")]
+    shares = producer_shares(obs, now)  # the window is the last 60 s: 30 making, 15 + 15
+    assert shares == pytest.approx({"making": 0.75, "window_full": 0.25})
+    assert producer_shares([], now) == {}
+
+
+def test_it_asks_while_ranks_wait_and_withdraws_when_the_service_is_ahead():
+    d = Demand(max_cpus=10, up_wait=0.05, cooldown_s=60)
+    making, full = {"making": 1.0}, {"window_full": 0.95, "making": 0.05}
+    assert d.decide(0, {0: 0.5}, making, 4) is None, "0.8% waited: no change"
+    assert d.decide(0, {0: 1.0, 1: 12.0}, full, 4) is None, "waiting, but the service is ahead"
+    assert d.decide(0, {1: 12.0}, {"paused": 1.0}, 4) is None, "paused: CPUs would not help"
+    want, reason = d.decide(0, {0: 1.0, 1: 12.0}, making, 4)
+    assert want == 5 and "20%" in reason and "asking for 5 CPUs" in reason
+    d.changed(0, want, reason, None)
+    assert d.decide(30, {1: 12.0}, making, 4) is None, "cooldown"
+    assert d.decide(61, {1: 12.0}, making, 5)[0] == 7  # a quarter more (rounded up)
+    d.changed(61, 7, "r", None)
+    d.changed(122, 10, "r", None)
+    assert d.decide(200, {1: 12.0}, making, 10) is None, "at max_cpus"
+    assert d.decide(300, {1: 0.5}, full, 10) == (
+        0,
+        pytest.approx(d.decide(300, {1: 0.5}, full, 10)[1]),
+    )
+    assert "withdrawing the request for 10 CPUs" in d.decide(300, {}, full, 10)[1]
+    d.changed(300, 0, "w", "RuntimeError: no autoscaler")  # a failed call keeps the request
+    assert d.requested == 10 and d.view()["changes"][-1]["error"].startswith("RuntimeError")
+    assert WINDOW_S == 60
+
+
+@pytest.mark.slow
+def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_cluster):
+    """A real batch server on the session's Ray: a rank that reports waiting for data while
+    the producer makes steps; within a few ticks the service has asked for CPUs (the call
+    placed with Ray, no error), says why in its status and Prometheus, and withdraws the
+    request when it closes."""
+    from pipeline.read.resolve import parse_config
+    from service.api import prometheus_text
+    from service.server import BatchServer
+    from tests.conftest import stdlib_texts, write_jsonl
+
+    write_jsonl(tmp_path / "a.jsonl", stdlib_texts(40, max_bytes=20_000))
+    # HF's tokenizer and long rows: the producer is behind a rank that takes steps at once.
+    cfg = parse_config({"seq_len": 8192, "global_batch_size": 4, "tokenizer": {"backend": "hf"},
+                        "read": {"block_bytes": 20_000, "first_block_bytes": 5_000},
+                        "streams": {"code": {"paths": [str(tmp_path / "a.jsonl")],
+                                             "repeat": 1000}},
+                        "service": {"autoscale": {"max_cpus": 64, "cooldown_s": 0}}})  # fmt: skip
+    srv = BatchServer(cfg.model_dump(mode="json"), prefetch=2)
+    try:
+        srv.hello(0, 1)
+        deadline, step = time.time() + 60, 0
+        while time.time() < deadline and not srv.status()["autoscale"]["changes"]:
+            if srv.get(0, 1, step, 1.0).ready:
+                step += 1
+            srv.report_wait(0, 5.0)  # waited 5 s for data: 8% of a minute per report
+        scale = srv.status()["autoscale"]
+        change = scale["changes"][0]
+        assert change["error"] is None, change
+        assert scale["requested_cpus"] == change["requested_cpus"] > 0
+        assert "ranks waited" in change["reason"]
+        text = prometheus_text(srv.metrics(), srv.status())
+        assert f"tokenmill_autoscale_requested_cpus {float(change['requested_cpus'])}" in text
+    finally:
+        srv.close()
+    assert srv.demand.requested == 0 and srv.demand.changes[-1]["reason"] == "the service closed"
