@@ -16,38 +16,44 @@ def test_producer_shares_weigh_each_state_by_how_long_it_lasted():
     shares = producer_shares(obs, now)  # the window is the last 60 s: 30 making, 15 + 15
     assert shares == pytest.approx({"making": 0.75, "window_full": 0.25})
     assert producer_shares([], now) == {}
+    assert producer_shares([(now - 10, "starting")], now) == {}, "10 s is no minute to judge"
 
 
-def test_it_asks_while_ranks_wait_and_withdraws_when_the_service_is_ahead():
+def test_it_asks_while_ranks_wait_and_steps_down_when_the_service_is_ahead():
     d = Demand(max_cpus=10, up_wait=0.05, cooldown_s=60)
     making, full = {"making": 1.0}, {"window_full": 0.95, "making": 0.05}
     assert d.decide(0, {0: 0.5}, making, 4) is None, "0.8% waited: no change"
     assert d.decide(0, {0: 1.0, 1: 12.0}, full, 4) is None, "waiting, but the service is ahead"
     assert d.decide(0, {1: 12.0}, {"paused": 1.0}, 4) is None, "paused: CPUs would not help"
+    assert d.decide(0, {1: 12.0}, {"starting": 1.0}, 4) is None, "starting: not yet"
     want, reason = d.decide(0, {0: 1.0, 1: 12.0}, making, 4)
     assert want == 5 and "20%" in reason and "asking for 5 CPUs" in reason
-    d.changed(0, want, reason, None)
+    d.changed(0, want, reason, None, 4)
     assert d.decide(30, {1: 12.0}, making, 4) is None, "cooldown"
+    assert d.decide(61, {1: 12.0}, making, 4) is None, "the nodes asked for are not up yet"
     assert d.decide(61, {1: 12.0}, making, 5)[0] == 7  # a quarter more (rounded up)
-    d.changed(61, 7, "r", None)
-    d.changed(122, 10, "r", None)
+    d.changed(61, 7, "r", None, 5)
+    d.changed(122, 10, "r", None, 7)
     assert d.decide(200, {1: 12.0}, making, 10) is None, "at max_cpus"
-    assert d.decide(300, {1: 0.5}, full, 10) == (
-        0,
-        pytest.approx(d.decide(300, {1: 0.5}, full, 10)[1]),
-    )
-    assert "withdrawing the request for 10 CPUs" in d.decide(300, {}, full, 10)[1]
-    d.changed(300, 0, "w", "RuntimeError: no autoscaler")  # a failed call keeps the request
-    assert d.requested == 10 and d.view()["changes"][-1]["error"].startswith("RuntimeError")
+    assert d.decide(250, {1: 0.5}, full, 10) is None, "a step down waits 3 cooldowns"
+    steps = []
+    for t in (310, 500, 700):
+        cpus, why = d.decide(t, {1: 0.5}, full, d.requested)
+        d.changed(t, cpus, why, None, d.requested)
+        steps.append(cpus)
+    assert steps == [8, 6, 0], "a fifth less each time, withdrawn at what it had before"
+    assert "withdrawing the request (was 6)" in d.view()["changes"][-1]["reason"]
+    d.changed(900, 5, "r", "RuntimeError: no coordinator")  # a failed call changes nothing
+    assert d.requested == 0 and d.view()["changes"][-1]["error"].startswith("RuntimeError")
     assert WINDOW_S == 60
 
 
 @pytest.mark.slow
 def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_cluster):
     """A real batch server on the session's Ray: a rank that reports waiting for data while
-    the producer makes steps; within a few ticks the service has asked for CPUs (the call
-    placed with Ray, no error), says why in its status and Prometheus, and withdraws the
-    request when it closes."""
+    the producer makes steps; once its states cover half a minute, the service asks for CPUs
+    (through Ray Data's autoscaling coordinator, no error), says why in its status and
+    Prometheus, and withdraws the request when it closes."""
     from pipeline.read.resolve import parse_config
     from service.api import prometheus_text
     from service.server import BatchServer
@@ -63,7 +69,7 @@ def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_clus
     srv = BatchServer(cfg.model_dump(mode="json"), prefetch=2)
     try:
         srv.hello(0, 1)
-        deadline, step = time.time() + 60, 0
+        deadline, step = time.time() + 120, 0
         while time.time() < deadline and not srv.status()["autoscale"]["changes"]:
             if srv.get(0, 1, step, 1.0).ready:
                 step += 1

@@ -43,6 +43,7 @@ from pipeline.read.reading import Executor, Prefetcher, Unit, tokenize_unit_json
 
 NAMESPACE = "tokenmill"
 IN_FLIGHT_PER_ACTOR = 2  # units queued per actor: one running, one waiting
+GROW_EVERY_S = 10.0  # how often a pool that follows the cluster's CPUs looks for more
 
 
 @functools.cache
@@ -114,19 +115,29 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
 
     if not units:
         return
-    size = max(1, min(_size(size), len(units)))  # an actor without a unit would only cost a process
-    actors = [_actor(i, idle_s) for i in range(size)]
+    follow = size is None  # as many as the cluster has CPUs: more when nodes join
+    # No more actors than units: an actor without a unit would only cost a process.
+    count = max(1, min(_size(size), len(units)))
+    actors = [_actor(i, idle_s) for i in range(count)]
+    looked = time.monotonic()
     stream_json = stream.model_dump(mode="json", context=REVEAL_SECRETS)
     tok_json = tok_cfg.model_dump(mode="json")
 
     def submit(k: int):
-        actor = actors[k % size]
+        actor = actors[k % len(actors)]
         return actor.tokenize.remote(units[k].to_json(), stream_json, tok_json)
 
     pending: collections.deque = collections.deque()
     nxt = 0
     for k in range(len(units)):
-        while nxt < len(units) and nxt < k + size * IN_FLIGHT_PER_ACTOR:
+        if follow and time.monotonic() - looked >= GROW_EVERY_S:
+            # Nodes an autoscaler added (service.autoscale asks for them while ranks wait):
+            # their CPUs tokenize from now on, not from the next pass. Any actor makes any
+            # unit's block alike, so the blocks do not change.
+            looked = time.monotonic()
+            while len(actors) < min(_size(None), len(units)):
+                actors.append(_actor(len(actors), idle_s))
+        while nxt < len(units) and nxt < k + len(actors) * IN_FLIGHT_PER_ACTOR:
             pending.append(submit(nxt))
             nxt += 1
         ref = pending.popleft()
@@ -134,7 +145,7 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
             yield ray.get(ref)
         except ray.exceptions.RayActorError:
             # An actor idled out (or died) between lookup and call: a new one does the unit.
-            actors[k % size] = _actor(k % size, idle_s)
+            actors[k % len(actors)] = _actor(k % len(actors), idle_s)
             yield ray.get(submit(k))
 
 
