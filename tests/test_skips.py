@@ -298,3 +298,63 @@ def test_a_running_service_leaves_documents_out_through_the_api(
     assert served[at:12] == [data(b) for b, _ in lone[: 12 - at]]
     assert not {d for _, d in _docs(cfg, lone[: 12 - at], at)} & named
     assert left["log"] == [{"step": at, "docs": {"code": len(named)}, "why": answer["why"]}]
+
+
+@pytest.mark.slow
+def test_a_live_skip_while_four_ranks_pull_and_the_api_reads(corpus, ray_cluster):
+    """Four ranks (threads) pull their rows while the API reads metrics and mixtures and a
+    skip comes in: no rank is told its sequence changed, and the global rows are the original
+    run's before the effective step and a lone resume's (leaving the documents out) from it."""
+    import threading
+
+    from service.server import BatchServer
+    from wire.arrays import from_ipc
+    from wire.layout import expand
+
+    cfg = config(corpus, "bfd")
+    whole, _ = _run(cfg, state_every=1)
+    named = {d for _, d in _docs(cfg, whole[1:3], 1)}
+    srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
+    got: dict[tuple[int, int], list] = {}
+    errors: list[BaseException] = []
+    done = threading.Event()
+    steps = min(14, len(whole))
+
+    def rank(r: int) -> None:
+        try:
+            srv.hello(r, 4)
+            for step in range(steps):
+                deadline = time.time() + 60
+                while not (reply := srv.get(r, 4, step, 1.0)).ready:
+                    assert time.time() < deadline, reply.reason
+                got[(r, step)] = expand(from_ipc(reply.runs[0])).to_pylist()
+                time.sleep(0.02)
+        except BaseException as e:  # raised in the test's thread
+            errors.append(e)
+
+    def api() -> None:
+        while not done.is_set():
+            srv.metrics(), srv.mixture(), srv.status()
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    watcher = threading.Thread(target=api)
+    try:
+        for t in (*threads, watcher):
+            t.start()
+        deadline = time.time() + 60
+        while srv.status()["global_step"] < 4:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        at = srv.skip(steps=[1, 2], why="together")["step"]
+        for t in threads:
+            t.join(timeout=120)
+        done.set()
+        watcher.join(timeout=30)
+        assert not errors, errors
+    finally:
+        srv.close()
+    lone, _ = _run(cfg, state=whole[at - 1][1], leave_out=LeaveOut({"code": frozenset(named)}, "t"))
+    want = [expand(b).to_pylist() for b, _ in whole[:at]] + [expand(b).to_pylist() for b, _ in lone]
+    for step in range(steps):
+        assert [row for r in range(4) for row in got[(r, step)]] == want[step], step
