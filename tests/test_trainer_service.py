@@ -123,3 +123,40 @@ def test_demo_with_the_mixing_policy_shows_its_weight_history(ray_cluster, tmp_p
     hard = max(first["loss"], key=first["loss"].get)
     assert w[hard] > {"code": 0.7, "chat": 0.3}[hard]
     assert "mixing policy: " in r.stdout and "window" in r.stdout
+
+
+def test_the_mixing_policy_under_torchrun_resumes_on_a_new_service(ray_cluster, tmp_path):
+    """Two torchrun ranks report their loss per stream; the policy decides at steps 3, 5, 7
+    (every 2, delay 1). The checkpoint's feed state (step 4) carries the loss of steps 2-3
+    that decision 5 reads; a new service, resumed from it by the ranks, decides on."""
+    import ray
+    import torch
+
+    from pipeline.stages.policy import LOSSES, needed_steps
+
+    write_jsonl(tmp_path / "a.jsonl", stdlib_texts(20, max_bytes=3000))
+    write_jsonl(tmp_path / "b.jsonl", stdlib_texts(20, start=40, max_bytes=3000))
+    cfg = parse_config({"seed": 5, "seq_len": 64, "global_batch_size": 4, "shuffle": {"window": 4},
+                        "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")], "weight": 0.5},
+                                    "b": {"paths": [str(tmp_path / "b.jsonl")], "weight": 0.5}},
+                        "mixing": {"policy": {"every": 2, "delay": 1, "wait_s": 60}}})  # fmt: skip
+    ckpt = tmp_path / "ckpt"
+    first = start_server(cfg, name=f"policy1-{os.getpid()}", prefetch=4)
+    try:
+        torchrun(ray_cluster, 2, f"policy1-{os.getpid()}", "--steps", "4",
+                 "--checkpoint", str(ckpt))  # fmt: skip
+        decided = [c["step"] for c in ray.get(first.mixture.remote())["history"]
+                   if c["source"] == "policy"]  # fmt: skip
+    finally:
+        ray_cluster.kill(first)
+    feed = json.loads(torch.load(ckpt / "checkpoint.pt", weights_only=True)["feed"])
+    assert feed["step"] == 4 and 3 in decided
+    assert sorted(int(s) for s in feed[LOSSES]) == sorted(needed_steps(4, 2, 1)) == [2, 3]
+    second = start_server(cfg, name=f"policy2-{os.getpid()}", prefetch=4)
+    try:
+        torchrun(ray_cluster, 2, f"policy2-{os.getpid()}", "--steps", "8",
+                 "--checkpoint", str(ckpt), "--resume")  # fmt: skip
+        history = ray.get(second.mixture.remote())["history"]
+    finally:
+        ray_cluster.kill(second)
+    assert {5, 7} <= {c["step"] for c in history if c["source"] == "policy"}
