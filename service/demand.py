@@ -119,4 +119,4 @@ class Demand:
     def view(self) -> dict:
         with self._lock:
             return {"max_cpus": self.max_cpus, "requested_cpus": self.requested,
-                    "changes": list(self.changes)}  # fmt: skip
+                    "base_cpus": self.base, "changes": list(self.changes)}  # fmt: skip

@@ -132,6 +132,7 @@ def run_demo(
         "train_log": str(log_json),
         # With --policy: each decision's step, the window's loss per stream and the weights.
         "policy": (metrics.get("policy") or {}).get("decisions"),
+        "policy_config": dict(DEMO_POLICY, weights=cfg.weights) if policy else None,
     }
     print_demo_summary(summary)
     return summary
@@ -159,18 +160,23 @@ def print_demo_summary(s: dict) -> None:
     if s.get("policy") is not None:
         print("(target: the weights in effect now, the policy's last; realized: the whole run, "
               "which followed the weight history below)")  # fmt: skip
-        print_policy(s["policy"])
+        print_policy(s["policy"], s.get("policy_config") or {}, s["steps"])
 
 
-def print_policy(decisions: list[dict]) -> None:
+def print_policy(decisions: list[dict], policy: dict, trained: int) -> None:
     """The mixing policy's decisions: the weight history it wrote, with the loss behind it."""
     print()
+    if policy:
+        start = ", ".join(f"{n} {w:.3f}" for n, w in policy["weights"].items())
+        print(f"mixing policy: a decision every {policy['every']} steps, from the mean loss of "
+              f"{policy['every']} steps, {policy['delay']} steps after them (eta "
+              f"{policy['eta']}); the config's weights: {start}")  # fmt: skip
     if not decisions:
-        print("mixing policy: no decision yet (the first comes at step every + delay)")
+        print("no decision yet (the first comes at step every + delay)")
         return
     names = list(decisions[0]["weights"])
-    print(f"mixing policy: {len(decisions)} decision(s); the weights from each step, and the "
-          "window's mean loss they follow")  # fmt: skip
+    print(f"{len(decisions)} decision(s): the weights from each step, and the window's mean "
+          f"loss they follow (* made ahead of the {trained} steps trained)")  # fmt: skip
     print(f"{'step':>6}  {'window':>9}  " + "  ".join(f"{n + ' loss':>10}{n:>7}" for n in names))
     for d in decisions:
         lo, hi = d["window"]
@@ -178,4 +184,5 @@ def print_policy(decisions: list[dict]) -> None:
         for n in names:
             loss = d["loss"].get(n)
             cells.append(f"{'-' if loss is None else f'{loss:.3f}':>10}{d['weights'][n]:>7.3f}")
-        print(f"{d['step']:>6}  {f'{lo}-{hi - 1}':>9}  " + "  ".join(cells))
+        ahead = "*" if d["step"] >= trained else " "
+        print(f"{d['step']:>5}{ahead}  {f'{lo}-{hi - 1}':>9}  " + "  ".join(cells))

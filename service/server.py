@@ -547,11 +547,16 @@ class BatchServer:
         self.telemetry.report_wait(rank, seconds)
 
     def state(self, step: int | None = None, wait_s: float | None = None) -> dict:
-        """The state at `step` (default: the newest made). Under the mixing policy it carries
-        the loss its resume decides from, waited for: up to `wait_s` (the API's), else up to
-        `mixing.policy.wait_s` (a rank's, at the step it is about to train)."""
+        """The state at `step` (default: the newest made; under the mixing policy, the newest
+        whose carried loss is complete, as the ranks train behind the steps made). Under the
+        policy it carries the loss its resume decides from, waited for: up to `wait_s` (the
+        API's), else up to `mixing.policy.wait_s` (a rank's, at the step it is about to
+        train)."""
         with self._cond:
             states = self.producer.states
+            if step is None and self.steering is not None:
+                step = next((s for s in reversed(states) if self.steering.complete(s)),
+                            next(iter(states)))  # fmt: skip
             step = max(states) if step is None else step
             if step not in states:
                 held = f"{next(iter(states))}..{max(states)}" if states else "none"
@@ -617,6 +622,8 @@ class BatchServer:
             self.producer.stop()  # also stops the old feed's reads
             with self._cond:
                 self.losses.carry(carried, feed.step)
+                if self.steering is not None:
+                    self.steering.forget_after(feed.step)
                 self._install(feed)
                 self._seeked = _bare(state)
                 self._wake_all()

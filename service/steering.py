@@ -24,7 +24,14 @@ from collections import deque
 from collections.abc import Callable
 
 from pipeline.config import Config
-from pipeline.stages.policy import LOSSES, SOURCE, decide, window_for, windows_after
+from pipeline.stages.policy import (
+    LOSSES,
+    SOURCE,
+    decide,
+    needed_steps,
+    window_for,
+    windows_after,
+)
 from pipeline.state.resume import seal
 from service.losses import StreamLosses
 from wire.protocol import ServiceBusy, StepGone
@@ -114,6 +121,19 @@ class Steering:
             self.decisions.append({"step": step, "window": list(window), "loss": means,
                                    "weights": weights})  # fmt: skip
         return True
+
+    def complete(self, step: int) -> bool:
+        """Whether the loss a state at `step` carries is all reported (`attach` would not
+        wait)."""
+        return all(self.losses.sums(s) is not None
+                   for s in needed_steps(step, self.policy.every, self.policy.delay))  # fmt: skip
+
+    def forget_after(self, step: int) -> None:
+        """A resume at `step`: the decisions from it on are of the sequence left behind."""
+        with self.cond:
+            kept = [d for d in self.decisions if d["step"] < step]
+            self.decisions.clear()
+            self.decisions.extend(kept)
 
     def attach(self, state: dict, step: int, stopped: Callable[[], bool],
                wait_s: float | None = None) -> dict:  # fmt: skip

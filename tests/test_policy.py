@@ -207,6 +207,17 @@ def test_the_api_state_of_a_step_not_trained_yet_is_a_503_not_a_hang(tmp_path, r
         srv.report_loss(0, 1, 3, _loss(3))
         r = client.get("/v1/state", params={"step": 4})
         assert r.status_code == 200 and sorted(r.json()[LOSSES]) == ["0", "1", "2", "3"]
+        state4 = r.json()
+        # No step given: the newest state whose loss is all in (steps 0-3), not the newest made.
+        assert srv.status()["global_step"] > 5
+        assert client.get("/v1/state").json()["step"] == 4
+        # The rank rewinds to step 4 (a seek): the decisions listed are the new sequence's.
+        srv.report_loss(0, 1, 4, _loss(4))
+        _serve(srv, 5, 12)
+        srv.hello(0, 1, state=state4)
+        _serve(srv, 4, 12)
+        steps = [d["step"] for d in srv.metrics()["policy"]["decisions"]]
+        assert steps == sorted(set(steps)) and steps[:3] == [5, 8, 11], steps
     finally:
         srv.close()
 
