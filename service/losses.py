@@ -47,6 +47,21 @@ class StreamLosses:
             for step in [s for s in self._steps if s >= start]:
                 del self._steps[step]
 
+    def excuse(self, rank: int, world: int, before: int, span: int) -> None:
+        """Rank `rank` of `world` joined at step `before` without a state (a trainer that
+        takes over where the service is): it reports no step before `before`, so for the
+        `span` steps before it, it counts as having reported nothing. Else a step that a
+        stopped run fetched and never trained would wait for its report for ever."""
+        with self._lock:
+            if world != self.world:
+                self.world = world
+                self._steps.clear()
+            for step in range(max(0, before - span), before):
+                if step not in self._carried:
+                    self._steps.setdefault(step, (set(), {}))[0].add(rank)
+            while len(self._steps) > self.keep:
+                self._steps.popitem(last=False)
+
     def _step(self, step: int) -> dict[str, list[float]] | None:  # under the lock
         if step in self._carried:
             return self._carried[step]

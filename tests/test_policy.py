@@ -358,3 +358,25 @@ def test_four_ranks_and_api_calls_at_once_get_the_lone_ranks_rows(tmp_path, ray_
     assert [c for c in history if c["source"] == "policy"] == [
         c for c in want_history if c["source"] == "policy"
     ]
+
+
+@pytest.mark.slow
+def test_a_trainer_without_a_state_takes_over_mid_window(tmp_path, ray_cluster):
+    """A run stops in the middle of a window (steps taken, their loss never reported); a new
+    trainer connects without a state and takes over where the service is: it is counted as
+    having reported nothing before its first step, so the policy decides on instead of
+    waiting for reports that never come."""
+    from service.server import BatchServer
+
+    srv = BatchServer(_config(tmp_path, wait_s=5).model_dump(mode="json"), prefetch=3)
+    try:
+        _serve(srv, 0, 4)  # reported: 0-3
+        _serve(srv, 4, 7, report=False)  # taken, never reported: the run stopped
+        first = srv.hello(0, 1).step  # a new trainer, no state
+        assert first == 7
+        _serve(srv, first, 16)  # decisions at 8 (steps 3-5) and 11 (6-8) would wait for ever
+        decided = srv.metrics()["policy"]["decisions"]
+    finally:
+        srv.close()
+    assert [d["step"] for d in decided][:4] == [5, 8, 11, 14]
+    assert decided[1]["loss"]["prose"] == pytest.approx(3.03), "step 3 only: 4-5 had no report"
