@@ -202,17 +202,22 @@ def _unwrap(e: Exception) -> Exception:
     return cause if isinstance(cause, Exception) else e
 
 
-def _if_busy(e: Exception) -> None:
-    """The service is busy with this kind of work (ServiceBusy): a 503 with Retry-After."""
-    if type(e).__name__ == "ServiceBusy":
-        raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
-
-
-def _busy_is_503(call, *args):
+def _answered(call, *args, lookup: int | None = None, value: int | None = None,
+              headers: dict | None = None, **kwargs):  # fmt: skip
+    """`call(*args, **kwargs)`, its errors as HTTP answers (with `headers`): the service busy
+    with this kind of work (ServiceBusy) a 503 with Retry-After; a LookupError `lookup`, a
+    ValueError `value` (each if given); anything else raised as it is."""
     try:
-        return call(*args)
+        return call(*args, **kwargs)
     except Exception as e:
-        _if_busy(_unwrap(e))
+        e = _unwrap(e)
+        if type(e).__name__ == "ServiceBusy":
+            raise HTTPException(
+                503, str(e), headers={**(headers or {}), "Retry-After": "5"}
+            ) from None
+        for kind, status in ((LookupError, lookup), (ValueError, value)):
+            if status is not None and isinstance(e, kind):
+                raise HTTPException(status, str(e), headers=headers) from None
         raise
 
 
@@ -295,14 +300,7 @@ def create_app(backend: Backend) -> FastAPI:
                 f"weights must name every stream; missing {names} (a PUT replaces the whole "
                 f"mixture, it is not merged: give 0 to turn a stream off; streams are {listed})",
             )
-        try:
-            step = backend.call("set_weights", dict(update.weights))
-        except Exception as e:
-            e = _unwrap(e)
-            _if_busy(e)
-            if isinstance(e, ValueError):
-                raise HTTPException(400, str(e)) from None
-            raise
+        step = _answered(backend.call, "set_weights", dict(update.weights), value=400)
         return {"effective_step": step}
 
     @app.post(
@@ -320,14 +318,8 @@ def create_app(backend: Backend) -> FastAPI:
             raise HTTPException(400, f"steps {e}") from None
         if len(steps or []) > 10_000:
             raise HTTPException(400, f"{len(steps or [])} steps: at most 10,000 at once")
-        try:
-            done = backend.call("skip", steps, request.docs, request.why, timeout_s=300.0)
-        except Exception as e:
-            e = _unwrap(e)
-            _if_busy(e)
-            if isinstance(e, LookupError | ValueError):
-                raise HTTPException(400, str(e)) from None
-            raise
+        done = _answered(backend.call, "skip", steps, request.docs, request.why,
+                         timeout_s=300.0, lookup=400, value=400)  # fmt: skip
         return {"effective_step": done["step"], "left_out": done["left_out"], "why": done["why"]}
 
     @app.post(
@@ -338,7 +330,7 @@ def create_app(backend: Backend) -> FastAPI:
         "`POST /v1/resume`. Needs `Authorization: Bearer <token>`.",
     )
     def pause() -> dict:
-        return {"state": _busy_is_503(backend.call, "pause")}
+        return {"state": _answered(backend.call, "pause")}
 
     @app.post(
         "/v1/resume",
@@ -347,7 +339,7 @@ def create_app(backend: Backend) -> FastAPI:
         description="Undoes `POST /v1/pause`. Needs `Authorization: Bearer <token>`.",
     )
     def resume() -> dict:
-        return {"state": _busy_is_503(backend.call, "resume")}
+        return {"state": _answered(backend.call, "resume")}
 
     @app.get(
         "/v1/state",
@@ -367,16 +359,9 @@ def create_app(backend: Backend) -> FastAPI:
     )
     def state(response: Response, step: int | None = Query(default=None, ge=0, le=2**62)) -> Any:
         response.headers[STATE_AUTH_HEADER] = STATE_AUTH
-        try:
-            return backend.call("state", step, STATE_WAIT_S)
-        except Exception as e:
-            e = _unwrap(e)
-            if isinstance(e, LookupError):
-                raise HTTPException(404, str(e), headers={STATE_AUTH_HEADER: STATE_AUTH}) from None
-            if type(e).__name__ == "ServiceBusy":  # the mixing policy's loss is not in yet
-                headers = {STATE_AUTH_HEADER: STATE_AUTH, "Retry-After": "5"}
-                raise HTTPException(503, str(e), headers=headers) from None
-            raise
+        # A 503: the mixing policy's loss of that state is not in yet.
+        return _answered(backend.call, "state", step, STATE_WAIT_S, lookup=404,
+                         headers={STATE_AUTH_HEADER: STATE_AUTH})  # fmt: skip
 
     @app.get(
         "/v1/steps/{step}/provenance",
@@ -395,17 +380,8 @@ def create_app(backend: Backend) -> FastAPI:
         world_size: int | None = Query(default=None, ge=1, le=1 << 20),
         text: bool = False,
     ) -> Any:
-        try:
-            segs = backend.call("provenance", step, world_size, text, timeout_s=120.0)
-        except Exception as e:
-            e = _unwrap(e)
-            if type(e).__name__ == "ServiceBusy":
-                raise HTTPException(503, str(e), headers={"Retry-After": "5"}) from None
-            if isinstance(e, LookupError):
-                raise HTTPException(404, str(e)) from None
-            if isinstance(e, ValueError):
-                raise HTTPException(400, str(e)) from None
-            raise
+        segs = _answered(backend.call, "provenance", step, world_size, text, timeout_s=120.0,
+                         lookup=404, value=400)  # fmt: skip
         return [s for s in segs if rank is None or s["rank"] == rank]
 
     @app.get("/", response_class=HTMLResponse)
