@@ -574,29 +574,11 @@ class BatchServer:
         """Which documents fed global step `step` (pipeline/inspect/provenance.py): from the step if
         the window still holds it, else recomputed in this process from the newest state kept
         at or before it (the feed rebuilt there, run forward: at most the steps between)."""
-        from pipeline.inspect.provenance import decoder, segments, state_step, stream_files
+        from pipeline.inspect.provenance import decoder, segments, stream_files
 
         with self._cond:
-            batch = self.window.steps.get(step)
             world = world_size or self.window.world or 1
-            states = self.producer.states
-            base = max((s for s in states if s <= step), default=None)
-            state = None if base is None else states[base]
-            held = f"{next(iter(states))}..{max(states)}" if states else "none"
-            produced = self.window.produced
-        if step >= produced:
-            raise StepGone(f"step {step} has not been produced yet (produced: {produced})")
-        if batch is None:
-            if state is None:
-                raise StepGone(f"no state at or before step {step} is kept (states: {held})")
-            # A replay reads and tokenizes in this process, on a thread of `control`: one at
-            # a time, so that the API, the `serve` loop and the ranks' states keep theirs.
-            if not self._replaying.acquire(blocking=False):
-                raise ServiceBusy("another step's provenance is being recomputed; try again")
-            try:
-                batch = state_step(self.cfg, state, step)
-            finally:
-                self._replaying.release()
+        batch = self._step_batches([step])[step]
         if world < 1 or self.cfg.global_batch_size % world:
             raise ValueError(f"world size {world} does not divide {self.cfg.global_batch_size}")
         files = stream_files(self.cfg)
@@ -700,32 +682,42 @@ class BatchServer:
             self._control.release()
 
     def _step_documents(self, steps: list[int]) -> list[dict]:
-        """The distinct documents global `steps` drew: from the window where it holds them,
-        the others recomputed in one pass from the newest state kept at or before the first."""
-        from pipeline.inspect.provenance import documents_of, segments, state_steps, stream_files
+        """The distinct documents global `steps` (ascending) drew."""
+        from pipeline.inspect.provenance import documents_of, segments, stream_files
+
+        batches = self._step_batches(steps)
+        files = stream_files(self.cfg)
+        G = self.cfg.global_batch_size
+        return documents_of(s for step in steps for s in segments(batches[step], step, files, 1, G))
+
+    def _step_batches(self, steps: list[int]) -> dict:
+        """Global `steps` (ascending, made): from the window where it holds them, the others
+        recomputed in this process in one pass from the newest state kept at or before the
+        first of them (the feed rebuilt there, run forward: at most the steps between)."""
+        from pipeline.inspect.provenance import state_steps
 
         with self._cond:
             produced = self.window.produced
-            if steps[-1] >= produced:
-                raise StepGone(f"step {steps[-1]} has not been made (made: {produced}): name "
-                               "the documents of steps to come with `docs`")  # fmt: skip
             batches = {s: self.window.steps[s] for s in steps if s in self.window.steps}
             rest = [s for s in steps if s not in batches]
             states = self.producer.states
             base = max((k for k in states if k <= rest[0]), default=None) if rest else None
             state = None if base is None else states[base]
+            held = f"{next(iter(states))}..{max(states)}" if states else "none"
+        if steps[-1] >= produced:
+            raise StepGone(f"step {steps[-1]} has not been produced yet (produced: {produced})")
         if rest:
             if state is None:
-                raise StepGone(f"no state at or before step {rest[0]} is kept")
+                raise StepGone(f"no state at or before step {rest[0]} is kept (states: {held})")
+            # A replay reads and tokenizes in this process, on a thread of `control`: one at
+            # a time, so that the API, the `serve` loop and the ranks' states keep theirs.
             if not self._replaying.acquire(blocking=False):
                 raise ServiceBusy("another step's provenance is being recomputed; try again")
             try:
                 batches.update(state_steps(self.cfg, state, rest))
             finally:
                 self._replaying.release()
-        files = stream_files(self.cfg)
-        G = self.cfg.global_batch_size
-        return documents_of(s for step in steps for s in segments(batches[step], step, files, 1, G))
+        return batches
 
     def _swap(self, feed: Feed | LanedFeed, old, paused: bool) -> None:
         """Under the lock: `feed` (at the step `old` stopped at) makes the steps from here on,
