@@ -70,3 +70,14 @@ def reassemble(rows) -> dict[tuple[str, int], np.ndarray]:
             expect += len(toks)
         docs[key] = np.concatenate([np.array(t, dtype=np.int64) for _, t in parts])
     return docs
+
+
+def take(srv, rank: int, world: int, step: int, timeout_s: float = 60.0):
+    """Rank `rank` of `world`'s answer for global `step` from a batch server in this process,
+    once it is ready (failing with the server's last reason after `timeout_s`)."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while not (reply := srv.get(rank, world, step, 1.0)).ready:
+        assert time.time() < deadline, reply.reason
+    return reply

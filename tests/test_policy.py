@@ -13,6 +13,7 @@ from pipeline.config import PolicyConfig
 from pipeline.read.resolve import parse_config
 from pipeline.stages.policy import LOSSES, decide, project, window_for, windows_after
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.helpers import take
 
 BASE = {"code": 0.7, "prose": 0.3}
 
@@ -124,10 +125,7 @@ def _serve(srv, first: int, last: int, report=True) -> list[bytes]:
     """One rank takes steps first..last-1 and reports each one's loss; their bytes."""
     out = []
     for step in range(first, last):
-        deadline = time.time() + 60
-        while not (reply := srv.get(0, 1, step, 1.0)).ready:
-            assert time.time() < deadline, reply.reason
-        out.append(b"".join(reply.runs))
+        out.append(b"".join(take(srv, 0, 1, step).runs))
         if report:
             srv.report_loss(0, 1, step, _loss(step))
     return out
@@ -324,10 +322,7 @@ def test_four_ranks_and_api_calls_at_once_get_the_lone_ranks_rows(tmp_path, ray_
         try:
             srv.hello(r, 4)
             for step in range(steps):
-                deadline = time.time() + 60
-                while not (reply := srv.get(r, 4, step, 1.0)).ready:
-                    assert time.time() < deadline, reply.reason
-                got[(r, step)] = rows(reply)
+                got[(r, step)] = rows(take(srv, r, 4, step))
                 quarter = {k: [v[0] / 4, v[1] / 4] for k, v in _loss(step).items()}
                 srv.report_loss(r, 4, step, quarter)
         except BaseException as e:  # raised below, in the test's thread

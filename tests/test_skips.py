@@ -16,6 +16,7 @@ from pipeline.inspect.provenance import documents_of, segments, stream_files
 from pipeline.read.reading import iter_blocks_local
 from pipeline.state.resume import StateError, check_state, seal
 from tests.conformance import batch_bytes
+from tests.helpers import take
 from tests.test_export import config
 
 
@@ -213,9 +214,7 @@ def test_a_service_resumed_leaving_documents_out_serves_none_of_them(corpus, ray
     try:
         served = set()
         for step in range(4, 12):
-            deadline = time.time() + 60
-            while not srv.get(0, 1, step, 1.0).ready:
-                assert time.time() < deadline
+            take(srv, 0, 1, step)
             served |= {s["doc_id"] for s in srv.provenance(step, 1)}
         assert served and not served & named
         assert {s["doc_id"] for s in srv.provenance(5, 1)} <= served  # from a kept state
@@ -258,14 +257,7 @@ def test_a_running_service_leaves_documents_out_through_the_api(
     whole, _ = run(cfg, state_every=1)
     srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
     try:
-
-        def take(step):
-            deadline = time.time() + 60
-            while not (reply := srv.get(0, 1, step, 1.0)).ready:
-                assert time.time() < deadline, reply.reason
-            return reply
-
-        got = [take(s) for s in range(4)]
+        got = [take(srv, 0, 1, s) for s in range(4)]
         client = TestClient(create_app(Backend(srv)))
         body = {"steps": "1-2", "docs": [{"stream": "code", "doc_id": -1 + (1 << 32)}],
                 "why": "loss spike"}  # fmt: skip
@@ -280,7 +272,7 @@ def test_a_running_service_leaves_documents_out_through_the_api(
         )
         named = {d for _, d in _docs(cfg, whole[1:3], 1)} | {(1 << 32) - 1}
         assert answer["left_out"] == {"code": len(named)}
-        got += [take(s) for s in range(4, 12)]
+        got += [take(srv, 0, 1, s) for s in range(4, 12)]
         bad = client.post("/v1/skips", json={"docs": [{"stream": "web", "doc_id": 1}]},
                           headers={"Authorization": "Bearer t0ken"})  # fmt: skip
         assert bad.status_code == 400 and "stream" in bad.json()["detail"]
@@ -324,10 +316,7 @@ def test_a_live_skip_while_four_ranks_pull_and_the_api_reads(corpus, ray_cluster
         try:
             srv.hello(r, 4)
             for step in range(steps):
-                deadline = time.time() + 60
-                while not (reply := srv.get(r, 4, step, 1.0)).ready:
-                    assert time.time() < deadline, reply.reason
-                got[(r, step)] = expand(from_ipc(reply.runs[0])).to_pylist()
+                got[(r, step)] = expand(from_ipc(take(srv, r, 4, step).runs[0])).to_pylist()
                 time.sleep(0.02)
         except BaseException as e:  # raised in the test's thread
             errors.append(e)
