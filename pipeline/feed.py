@@ -43,7 +43,8 @@ from pipeline.state.resume import (
 )
 from pipeline.state.summary import RunSummary, RunTotals, run_totals, summarize
 from pipeline.tokenize.engines import load_tokenizer
-from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
+from wire.lanes import rank_rows, runs_of
+from wire.protocol import META_RANK, META_WORLD_SIZE
 from wire.schema import build_batch, with_metadata
 
 
@@ -242,18 +243,6 @@ class Feed:
         return run_totals(self)
 
 
-def rank_rows(num_rows: int, rank: int, world_size: int, global_batch_size: int) -> slice:
-    """Which rows of a global step of `num_rows` rows are rank `rank`'s (the last step may be
-    short, and leave a rank fewer rows, or none)."""
-    if global_batch_size % world_size:
-        raise ValueError(
-            f"global_batch_size {global_batch_size} is not divisible by world size {world_size}"
-        )
-    per_rank = global_batch_size // world_size
-    start = min(rank * per_rank, num_rows)
-    return slice(start, min(start + per_rank, num_rows))
-
-
 def _rank_meta(batch: pa.RecordBatch, rank: int, world_size: int) -> dict:
     meta = dict(batch.schema.metadata or {})
     meta.update({META_RANK: str(rank).encode(), META_WORLD_SIZE: str(world_size).encode()})
@@ -281,26 +270,13 @@ def rank_slice(
 def rank_runs(
     batches: list[pa.RecordBatch], rank: int, world_size: int, global_batch_size: int
 ) -> list[tuple[pa.RecordBatch, int]]:
-    """Rank `rank`'s rows of consecutive global steps, joined into runs of one schema: each
-    run one record batch of their rows in order, with `global_step` the first step's and
-    `step_rows` the rows of each step ("4,4,2"), and how many steps it holds. A reader cuts
-    it back into steps by those counts (trainer.feed.to_torch_steps). What a rank gets in one
-    answer of the batch service (service/server.py)."""
-    runs: list[list[pa.RecordBatch]] = []
+    """Rank `rank`'s rows of consecutive global steps, joined into runs of one schema
+    (wire/lanes.py `runs_of`): what a rank gets in one answer of the batch service."""
+    parts = []
     for batch in batches:
         rows = rank_rows(batch.num_rows, rank, world_size, global_batch_size)
-        part = batch.slice(rows.start, rows.stop - rows.start)
-        if runs and runs[-1][0].schema.equals(part.schema, check_metadata=False):
-            runs[-1].append(part)
-        else:
-            runs.append([part])
-    out = []
-    for run in runs:
-        step_rows = ",".join(str(p.num_rows) for p in run).encode()
-        joined = pa.concat_batches(run) if len(run) > 1 else run[0]  # the first's metadata
-        meta = _rank_meta(run[0], rank, world_size) | {META_STEP_ROWS: step_rows}
-        out.append((joined.replace_schema_metadata(meta), len(run)))
-    return out
+        parts.append(batch.slice(rows.start, rows.stop - rows.start))
+    return runs_of(parts, rank, world_size)
 
 
 class Steps(Protocol):

@@ -36,7 +36,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -64,7 +64,7 @@ from pipeline.state.resume import (
 )
 from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describe_lengths
 from wire.arrays import from_ipc, to_ipc, view
-from wire.layout import compact, expand
+from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, runs_of
 
 STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane)
 
@@ -73,13 +73,81 @@ class LaneError(RuntimeError):
     """A lane failed (its process died, or its feed raised); the message names the lane."""
 
 
+def served_counts(batch: pa.RecordBatch, names: list[str]) -> Receipt:
+    """What a step (or a lane's part of it) serves: rows, real tokens, and per stream (in
+    `names` order) its tokens and the documents it starts."""
+    seg_lens = view(batch.column("seq_lens").values).astype(np.int64)
+    stream = batch.column("stream").values
+    idx = np.array([names.index(n) for n in stream.dictionary.to_pylist()], dtype=np.int64)
+    idx = idx[view(stream.indices)]
+    starts = view(batch.column("doc_offset").values) == 0
+    tokens = np.bincount(idx, weights=seg_lens, minlength=len(names)).astype(np.int64)
+    docs = np.bincount(idx[starts], minlength=len(names))
+    return Receipt(batch.num_rows, int(seg_lens.sum()), tokens.tolist(), docs.tolist())
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """A step a lane made and holds (`LaneWorker(hold=True)`): what it counts, not its rows."""
+
+    rows: int
+    real_tokens: int
+    tokens: list[int]  # per stream, in the config's order
+    docs: list[int]  # documents started, per stream
+
+
+@dataclass(frozen=True)
+class LanedStep:
+    """A global step whose rows the lanes hold (the batch server's window holds this, not the
+    rows): its number, the lane actors, and how many rows each made. Ranks take their rows
+    from the lanes (wire/lanes.py `fetch`); `whole` joins them all (provenance, skips)."""
+
+    step: int
+    lanes: tuple
+    rows: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.rows)
+
+    def whole(self, timeout_s: float = 120.0) -> pa.RecordBatch:
+        """The whole step, joined from its lanes' parts (this process touches every row)."""
+        import ray
+
+        calls = [h.take.options(concurrency_group=TAKE_GROUP).remote([(self.step, 0, n)], 0, 1)
+                 for h, n in zip(self.lanes, self.rows, strict=True)]  # fmt: skip
+        parts = [from_ipc(ray.get(c, timeout=timeout_s)[0][0]) for c in calls]
+        return join_parts(parts)
+
+
+def where(steps: list[LanedStep], rank: int, world_size: int, global_batch_size: int
+          ) -> list[tuple[Any, list[tuple[int, int, int]]]]:  # fmt: skip
+    """Where rank `rank` of `world_size` takes its rows of consecutive held `steps`: per lane
+    actor, [(step, first row, end row), ...], lanes in order (protocol.StepReply `lanes`).
+    Steps a skip's replaced lanes hold come before the new lanes' (they are earlier steps)."""
+    groups: dict[int, int] = {}  # id of a feed's lanes -> its order of appearance
+    out: dict[tuple[int, int], tuple[Any, list]] = {}
+    for s in steps:
+        group = groups.setdefault(id(s.lanes), len(groups))
+        for k, lo, hi in lane_parts(list(s.rows), rank, world_size, global_batch_size):
+            out.setdefault((group, k), (s.lanes[k], []))[1].append((s.step, lo, hi))
+    return [out[key] for key in sorted(out)]  # a step's pieces in lane order
+
+
 class LaneWorker:
     """One lane's feed, in the process that runs it (a Ray actor, or this one)."""
 
     def __init__(self, cfg_json: dict, lane: int, state: dict | None, allow_config_change: bool,
                  full_batches: bool, local: bool, ipc: bool,
-                 leave_out: LeaveOut | None = None):  # fmt: skip
+                 leave_out: LeaveOut | None = None, hold: bool = False):  # fmt: skip
         cfg = Config.model_validate(cfg_json)
+        self.lane = lane
+        self.names = list(cfg.streams)
+        # `hold`: the steps made stay here and the caller gets receipts (the batch server);
+        # ranks take their rows (`take`, on threads of their own) until released.
+        self.hold = hold
+        self.held: dict[int, pa.RecordBatch] = {}
+        self._held_lock = threading.Lock()
         # `read.in_lanes`: the lane reads and tokenizes its share itself, no block crosses a
         # process (K lanes are K tokenizing processes); else through Ray Data's tasks.
         local = local or cfg.read.in_lanes
@@ -90,13 +158,41 @@ class LaneWorker:
         self.feed.full_batches = full_batches
         self.ipc = ipc
 
-    def steps(self, n: int, state_every: int) -> tuple[list[tuple[Any, dict | None]], list[Reject]]:
+    def steps(self, n: int, state_every: int, release_below: int | None = None
+              ) -> tuple[list[tuple[Any, dict | None]], list[Reject]]:  # fmt: skip
         """Up to `n` next steps of this lane, each with its state when `state_every` says so,
-        and the rejects met making them."""
+        and the rejects met making them. Holding (`hold`): receipts instead of the steps, and
+        the steps before `release_below` (every rank has them) are let go first."""
+        if release_below is not None:
+            with self._held_lock:
+                for step in [s for s in self.held if s < release_below]:
+                    del self.held[step]
+        first = self.feed.step
         made = next_steps(self.feed, n, state_every)
         rejects = list(self.feed.rejects)
         self.feed.rejects.clear()
+        if self.hold:
+            with self._held_lock:
+                for i, (b, _) in enumerate(made):
+                    self.held[first + i] = b
+            return [(served_counts(b, self.names), s) for b, s in made], rejects
         return [(to_ipc(b) if self.ipc else b, s) for b, s in made], rejects
+
+    def take(self, parts: list[tuple[int, int, int]], rank: int, world_size: int
+             ) -> list[tuple[bytes, int]]:  # fmt: skip
+        """Rows [lo, hi) of this lane's part of each (step, lo, hi), for rank `rank` of
+        `world_size`: runs of one schema (wire/lanes.py `runs_of`), as Arrow IPC. Runs on the
+        `serve` threads, beside the thread that makes steps."""
+        with self._held_lock:
+            missing = [s for s, _, _ in parts if s not in self.held]
+            if missing:
+                held = f"{min(self.held)}..{max(self.held)}" if self.held else "none"
+                raise LookupError(
+                    f"lane {self.lane} no longer holds step {missing[0]} (it holds {held}): "
+                    "every rank had it, or the rank was lost; resume from a saved state"
+                )
+            pieces = [self.held[s].slice(lo, hi - lo) for s, lo, hi in parts]
+        return [(to_ipc(run), n) for run, n in runs_of(pieces, rank, world_size)]
 
     def set_weights(self, weights: dict[str, float], step: int, source: str = "api") -> int:
         return self.feed.set_weights(weights, step, source)
@@ -175,8 +271,13 @@ class LanedFeed:
                  state_every: int = 0,
                  on_reject: Callable[[Reject], None] | None = None,
                  wait_for_figures: bool = True,
-                 leave_out: LeaveOut | None = None):  # fmt: skip
+                 leave_out: LeaveOut | None = None, hold: bool = False):  # fmt: skip
         self.cfg = cfg
+        # `hold` (the batch server): the lanes keep the steps they make and `next_step` gives
+        # a LanedStep (where its rows are) instead of the rows: ranks take them from the
+        # lanes, and this process never touches token data (actors only).
+        self.hold = hold and not local
+        self._release: int | None = None  # the lanes let go of steps before this (hold)
         self.names = list(cfg.streams)
         self.config_hash = cfg.config_hash()
         self.full_batches = full_batches
@@ -206,16 +307,23 @@ class LanedFeed:
         # compacted again (`_join`).
         # Documents to leave out go to every lane: each meets only its own.
         args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local,
-                 leave_out) for k in range(K)]  # fmt: skip
+                 leave_out, self.hold) for k in range(K)]  # fmt: skip
         self.lanes: list[_Local | _Actor]
         if local:
             self.lanes = [_Local(LaneWorker(*a)) for a in args]
         else:
             import ray
 
-            actor = ray.remote(num_cpus=0, max_restarts=0)(LaneWorker)
+            # Holding lanes hand out rows on threads of their own (`take`), beside the one
+            # thread (the default group) that makes steps, changes weights and gives states.
+            groups = {"concurrency_groups": {TAKE_GROUP: TAKE_THREADS}} if self.hold else {}
+            actor = ray.remote(num_cpus=0, max_restarts=0, **groups)(  # type: ignore[call-overload]
+                LaneWorker
+            )
             opts = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
             self.lanes = [_Actor(actor.options(**opts).remote(*a)) for a in args]
+        # One tuple shared by every step it makes (wire/lanes.py groups a reply's steps by it).
+        self._handles = tuple(getattr(lane, "handle", None) for lane in self.lanes)
         self.rejects: list[Reject] = []
         self.on_reject = on_reject
         # False (the batch server): `summary` answers with the lanes' last summaries and asks
@@ -256,18 +364,29 @@ class LanedFeed:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def next_step(self) -> pa.RecordBatch | None:
-        """The next global step (G rows; the last may be short), or None when the data ends."""
+    def next_step(self) -> pa.RecordBatch | LanedStep | None:
+        """The next global step (G rows; the last may be short), or None when the data ends.
+        Holding (`hold`): a LanedStep, whose rows the lanes keep."""
         while not self._ready and not self.finished:
             self._fill()
         if not self._ready:
             return None
         with self._lock:
-            batch, self._state = self._ready.popleft()
+            made, self._state = self._ready.popleft()
             self.step += 1
             self.mixer.begin_step(self.step)
-            self._count(batch)
-        return batch
+            if self.hold:
+                made, receipts = made
+                self._count(receipts)
+            else:
+                self._count([served_counts(made, self.names)])
+        return made
+
+    def release(self, below: int) -> None:
+        """Every rank has taken the steps before `below` from the lanes (hold): the lanes may
+        let them go, told with the next steps asked of them."""
+        with self._lock:
+            self._release = max(below, self._release or 0)
 
     def _room(self) -> int:
         """How many steps may be asked of the lanes now: STEPS_PER_CALL, but never past the
@@ -290,7 +409,8 @@ class LanedFeed:
             if n <= 0:
                 return None
             self._asked += n
-            return n, [lane.call("steps", n, self.state_every) for lane in self.lanes]
+            release, self._release = self._release, None
+            return n, [lane.call("steps", n, self.state_every, release) for lane in self.lanes]
 
     def _fill(self) -> None:
         chunk = self._pending if self._pending is not None else self._ask()
@@ -316,14 +436,22 @@ class LanedFeed:
             if any(len(steps) <= j for steps in made):
                 self.finished = True  # a lane has no step here: the sequence ends before it
                 return
-            batches = [self._batch(steps[j][0]) for steps in made]
             states = [steps[j][1] for steps in made]
-            short = any(b.num_rows < per_lane for b in batches)
+            if self.hold:
+                receipts = [steps[j][0] for steps in made]
+                rows = tuple(r.rows for r in receipts)
+                step = self.step + len(self._ready)  # the steps before it are ready
+                made_step: Any = (LanedStep(step, self._handles, rows), receipts)
+            else:
+                batches = [self._batch(steps[j][0]) for steps in made]
+                rows = tuple(b.num_rows for b in batches)
+                made_step = join_parts(batches)
+            short = any(r < per_lane for r in rows)
             if short and self.cfg.drop_last:
                 self.finished = True
                 return
             state = None if any(s is None for s in states) else self._nest(states)
-            self._ready.append((self._join(batches), state))
+            self._ready.append((made_step, state))
             if short:
                 self.finished = True
                 return
@@ -331,36 +459,19 @@ class LanedFeed:
     def _batch(self, made) -> pa.RecordBatch:
         return from_ipc(made) if isinstance(made, bytes) else made
 
-    def _join(self, batches: list[pa.RecordBatch]) -> pa.RecordBatch:
-        """One global step from the lanes' parts, rows in lane order, the first's metadata."""
-        meta = batches[0].schema.metadata
-        if any(not b.schema.equals(batches[0].schema, check_metadata=False) for b in batches):
-            keep_labels = any("labels" in b.schema.names for b in batches)
-            full = pa.concat_batches([expand(b).replace_schema_metadata(None) for b in batches])
-            joined = compact(full, keep_labels=keep_labels)
-        else:
-            joined = pa.concat_batches([b.replace_schema_metadata(None) for b in batches])
-        return joined.replace_schema_metadata(meta)
-
     def _nest(self, states: list[dict]) -> dict:
         return seal({VERSION: STATE_VERSION, CONFIG_HASH: self.config_hash,
                      STEP: int(states[0][STEP]), LANES: states})  # fmt: skip
 
-    def _count(self, batch: pa.RecordBatch) -> None:
-        """What was served: rows, tokens, and per stream its tokens and documents started."""
+    def _count(self, receipts: list[Receipt]) -> None:
+        """What was served (a step's parts): rows, tokens, and per stream its tokens and
+        documents started."""
         self.first_step_at = self.first_step_at or time.monotonic()
-        lens = batch.column("seq_lens")
-        seg_lens = view(lens.values).astype(np.int64)
-        stream = batch.column("stream").values
-        names = stream.dictionary.to_pylist()
-        idx = np.array([self.names.index(n) for n in names], dtype=np.int64)[view(stream.indices)]
-        starts = view(batch.column("doc_offset").values) == 0
-        self.rows += batch.num_rows
-        self.real_tokens += int(seg_lens.sum())
-        self.tokens += np.bincount(idx, weights=seg_lens, minlength=len(self.names)).astype(
-            np.int64
-        )
-        self.docs_emitted += np.bincount(idx[starts], minlength=len(self.names))
+        for r in receipts:
+            self.rows += r.rows
+            self.real_tokens += r.real_tokens
+            self.tokens += np.asarray(r.tokens, dtype=np.int64)
+            self.docs_emitted += np.asarray(r.docs, dtype=np.int64)
 
     def get_state(self) -> dict:
         """The state after the last step handed out: the lanes' states at that step, nested
@@ -399,6 +510,13 @@ class LanedFeed:
     def close(self) -> None:
         for lane in self.lanes:
             lane.kill()
+
+    def stop_reading(self) -> None:
+        """Stop the lanes' reads and making, and keep the lanes (and the rows they hold) until
+        `close`: a skip replaced this feed while ranks may still fetch its steps."""
+        for lane in self.lanes:
+            with contextlib.suppress(Exception):  # a dead lane reads nothing
+                lane.get(lane.call("close"))
 
     # -- figures ----------------------------------------------------------------------------
 

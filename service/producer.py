@@ -59,14 +59,16 @@ class Producer:
         self._thread.start()
         return self
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop producing and stop the feed's reads; safe to call more than once."""
+    def stop(self, timeout_s: float = 30.0, close: bool = True) -> None:
+        """Stop producing and stop the feed's reads; safe to call more than once. `close`
+        False: the caller closes the feed (lanes that still hold rows ranks will fetch)."""
         with self.cond:
             self._stop = True
             self._changed()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout_s)
-        self.feed.close()
+        if close:
+            self.feed.close()
 
     def set_paused(self, paused: bool) -> None:
         with self.cond:

@@ -208,6 +208,9 @@ class BatchServer:
         self._replaying = threading.Lock()  # one provenance replay at a time (`provenance`)
         self._control = threading.Lock()  # one change of course at a time (`_controlled`)
         self._closed = threading.Event()
+        # Laned feeds a skip replaced, with the first step they did not make: their lanes
+        # hold rows of the steps before it until every rank has fetched them.
+        self._retired: list[tuple[int, LanedFeed]] = []
         self.demand = None
         self._start_feed(state, allow_config_change, leave_out)
         scale = self.cfg.service.autoscale
@@ -286,12 +289,15 @@ class BatchServer:
         first = executor if warm else with_head_start(executor)
         try:
             if self.cfg.lanes > 1:
-                # K lane actors read (Ray Data), mix and pack; this actor joins their rows
-                # and serves them. Every step's state is kept, as a Feed's (the window).
+                # K lane actors read (Ray Data), mix, pack and keep their rows; this actor
+                # keeps the window of where they are, and ranks take them from the lanes
+                # (`hold`: no token passes through here). Every step's state is kept, as a
+                # Feed's (the window).
                 return LanedFeed(self.cfg, state=state, allow_config_change=allow_config_change,
                                  full_batches=False, state_every=1,
                                  on_reject=self.telemetry.add_reject,
-                                 wait_for_figures=False, leave_out=leave_out)  # fmt: skip
+                                 wait_for_figures=False, leave_out=leave_out,
+                                 hold=True)  # fmt: skip
             feed = Feed(
                 self.cfg,
                 executor,
@@ -390,6 +396,7 @@ class BatchServer:
             r = self.window.ranks[rank]
             if state is not None:  # it may have pulled past its checkpoint before it stopped
                 r.next = min(r.next, int(state["step"]))
+                r.asked = None
                 r.consumed = None if r.consumed is None else min(r.consumed, r.next)
                 first = int(state["step"])
             else:
@@ -477,10 +484,12 @@ class BatchServer:
                         continue
                 batch = self.window.take(rank, world_size, step)
                 if batch is not None:
+                    self.window.ranks[rank].asked = step  # it has every step before this
                     batches = [batch]
                     while len(batches) < want and step + len(batches) in self.window.steps:
                         batches.append(self.window.take(rank, world_size, step + len(batches)))
                     self._hungry[rank] = waited and linger_until is not None
+                    self._release_lanes()
                     self._cond.notify_all()  # the producer may have room now
                     break
                 if self.producer.error:
@@ -496,10 +505,28 @@ class BatchServer:
                 waited = True
                 self._cond.wait(timeout=min(left, 1.0))
         from pipeline.feed import rank_runs
+        from pipeline.lanes import LanedStep, where
 
+        if isinstance(batches[0], LanedStep):  # the lanes hold the rows: where to take them
+            return StepReply("ready", counts=[len(batches)],
+                             lanes=where(batches, rank, world_size, G))  # fmt: skip
         # Sliced outside the lock: under it, one rank's copy held up every other rank.
         runs = rank_runs(batches, rank, world_size, G)
         return StepReply("ready", [to_ipc(run) for run, _ in runs], [n for _, n in runs])
+
+    def _release_lanes(self) -> None:
+        """Under the lock: lanes that hold the rows (`lanes` > 1) may let go of the steps every
+        live rank has fetched; lanes a skip replaced (`_retired`) close once none of their
+        steps is needed."""
+        below = self.window.fetched_floor()
+        release = getattr(self.feed, "release", None)
+        if release is not None and getattr(self.feed, "hold", False):
+            release(below)
+        done = [feed for end, feed in self._retired if end <= below]
+        if done:
+            self._retired = [(end, feed) for end, feed in self._retired if end > below]
+            for feed in done:  # off the lock: a lane's close is a call that may take a while
+                threading.Thread(target=feed.close, daemon=True).start()
 
     def _deliver_now(self, step: int, want: int) -> bool:
         """May a hungry rank have `step` (produced) without lingering for more? (The window
@@ -662,8 +689,13 @@ class BatchServer:
                 self.producer.set_paused(paused)
                 raise
             old = self.producer
-            old.stop()  # idle and paused: at once; closes the old feed's reads
+            held = getattr(old.feed, "hold", False)  # its lanes hold rows ranks may fetch
+            old.stop(close=not held)  # idle and paused: at once; closes the old feed's reads
+            if held:
+                old.feed.stop_reading()
             with self._cond:
+                if held:  # closed once every rank has what they hold (`_release_lanes`)
+                    self._retired.append((feed.step, old.feed))
                 self._swap(feed, old, paused)
                 self._wake_all()
             count = {k: len(v) for k, v in chosen.docs.items()}
@@ -706,6 +738,11 @@ class BatchServer:
             held = f"{next(iter(states))}..{max(states)}" if states else "none"
         if steps[-1] >= produced:
             raise StepGone(f"step {steps[-1]} has not been produced yet (produced: {produced})")
+        from pipeline.lanes import LanedStep
+
+        for s, held in batches.items():  # rows the lanes hold: joined here (a rare call)
+            if isinstance(held, LanedStep):
+                batches[s] = held.whole()
         if rest:
             if state is None:
                 raise StepGone(f"no state at or before step {rest[0]} is kept (states: {held})")
@@ -783,6 +820,8 @@ class BatchServer:
         if self._scaler is not None:  # it withdraws its request as it ends
             self._scaler.join(timeout=2.0)
         self.producer.stop()
+        for _, feed in self._retired:
+            feed.close()
 
     def _autoscale(self, tick_s: float = AUTOSCALE_TICK_S) -> None:
         """service.autoscale (service/demand.py): every `tick_s`, the ranks' data wait and the

@@ -48,6 +48,9 @@ class RankState:
     connected: bool = False
     consumed: int | None = None  # the first step it has not trained on, as its client reports
     ended: bool = False  # it was told the data has ended (it had fetched every step)
+    # The step of its latest request: a rank asks again only once it has everything before
+    # it, so rows held elsewhere (lanes) may go once every rank asked past them. None: `next`.
+    asked: int | None = None
 
 
 class StepWindow:
@@ -116,6 +119,15 @@ class StepWindow:
         self.steps[step] = payload
         self.produced += 1
         self.evict()
+
+    def fetched_floor(self) -> int:
+        """The first step some live rank may still be fetching from where its rows are held
+        (the lanes): every rank has all steps before it. At most `floor()`."""
+        if self.world is None:
+            return self.start
+        live = [r.next if r.asked is None else r.asked
+                for k, r in self.ranks.items() if not r.ended and not self.lost(k)]  # fmt: skip
+        return min(min(live, default=self.produced), self.floor())
 
     def evict(self) -> list[int]:
         floor = self.floor()

@@ -80,4 +80,17 @@ def take(srv, rank: int, world: int, step: int, timeout_s: float = 60.0):
     deadline = time.time() + timeout_s
     while not (reply := srv.get(rank, world, step, 1.0)).ready:
         assert time.time() < deadline, reply.reason
-    return reply
+    return resolved(reply, rank, world)
+
+
+def resolved(reply, rank: int, world: int):
+    """A ready answer with its runs in it: where the lanes hold the rows (`lanes` > 1), taken
+    from them as a rank's client does (wire/lanes.py `fetch`)."""
+    from dataclasses import replace
+
+    from wire.lanes import fetch
+
+    if not reply.lanes:
+        return reply
+    runs, counts = fetch(reply.lanes, rank, world, 60.0)
+    return replace(reply, runs=runs, counts=counts, lanes=[])

@@ -10,6 +10,7 @@ from pipeline.read.resolve import parse_config
 from service.api import Backend, create_app
 from service.server import BatchServer, StepGone
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.helpers import resolved
 from wire.arrays import from_ipc
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ def take(server, rank: int, world_size: int, step: int, timeout_s: float = 60.0)
     while time.time() < deadline:
         reply = server.get(rank, world_size, step, 1.0)
         if reply.ready:
-            return reply.runs
+            return resolved(reply, rank, world_size).runs
         if reply.status in ("end", "stopped"):
             return None
     raise TimeoutError(f"step {step} was not served within {timeout_s}s")

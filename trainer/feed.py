@@ -326,7 +326,14 @@ class Feed:
                 told = now
                 print(f"tokenmill: rank {self.rank} waits for step {self.step}: {reply.reason}",
                       file=sys.stderr, flush=True)  # fmt: skip
-        return list(reply.runs)
+        if not reply.lanes:
+            return list(reply.runs)
+        from wire.lanes import LaneGone, fetch
+
+        try:  # the lanes hold the rows (`lanes` > 1): taken from them straight
+            return fetch(reply.lanes, self.rank, self.world_size, self.timeout_s)[0]
+        except (LaneGone, LookupError, TimeoutError) as e:
+            raise FeedError(f"step {self.step}: {e}") from None
 
     def report_loss(self, step: int, losses: dict[str, list[float]]) -> None:
         """Global step `step`'s loss per stream on this rank (`stream_loss`), fire and forget:

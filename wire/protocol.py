@@ -107,6 +107,10 @@ class StepReply:
     runs: list[Any] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     reason: str = ""
+    # With `lanes` K > 1 the rows stay in the lanes that made them, and `ready` says where
+    # instead: [(lane actor, [(step, first row, end row), ...]), ...], in the order a rank
+    # joins them; `runs` is empty and `counts` is [steps] (wire/lanes.py `fetch`).
+    lanes: list[Any] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -114,7 +118,7 @@ class StepReply:
 
     @property
     def steps(self) -> int:
-        """How many steps the reply holds."""
+        """How many steps the reply holds (or, with lanes, says where to take)."""
         return sum(self.counts)
 
 
