@@ -387,3 +387,102 @@ def test_two_laned_exports_at_once_are_each_the_lone_run(streams, ray_cluster, t
             assert a.equals(b), (name, step)
     lone_a = read_step(step_path(tmp_path / "lone-a", 0, 0, "parquet"))
     assert not lone_a.equals(read_step(step_path(tmp_path / "lone-b", 0, 0, "parquet")))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> dict:
+    """A corpus whose end comes within ~20 steps of 8 x 128 tokens (the short last step)."""
+    d = tmp_path_factory.mktemp("small")
+    texts = stdlib_texts(40, max_bytes=3000)
+    write_jsonl(d / "code.jsonl", texts[:25])
+    write_jsonl(d / "prose.jsonl", [{"text": t} for t in texts[25:]])
+    return {
+        "code": {"paths": [str(d / "code.jsonl")], "weight": 0.6},
+        "prose": {"paths": [str(d / "prose.jsonl")], "weight": 0.4},
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, lanes):
+    """The batch server never holds a token with lanes: its window holds where each step's
+    rows are, and every answer says where (no rows in it). Ranks of worlds 1, 2, 4 and 8 take
+    them from the lanes, alone or joined across lanes (a world smaller than K, the short last
+    step), and get exactly their slice of the laned sequence, to its end. Once every rank has
+    asked past a step, the lanes let it go."""
+    import ray
+
+    from pipeline.feed import rank_slice
+    from pipeline.lanes import LanedStep
+    from service.server import BatchServer
+    from tests.helpers import resolved
+    from wire.arrays import from_ipc
+    from wire.lanes import split_run
+    from wire.layout import expand
+
+    cfg = config(small, lanes)
+    want = steps_of(LanedFeed(cfg, local=True, full_batches=False))
+    assert 6 <= len(want) <= 40 and want[-1].num_rows < 8  # it ends in a short step
+    for world in (1, 2, 4, 8):
+        srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
+        try:
+            pos, ended = [0] * world, set()
+            while len(ended) < world:
+                for r in sorted(set(range(world)) - ended):
+                    while (reply := srv.get(r, world, pos[r], 2.0, 2)).status == "wait":
+                        pass
+                    if reply.status == "end":
+                        ended.add(r)
+                        continue
+                    assert reply.ready and not reply.runs and reply.lanes, reply
+                    with srv._cond:  # the window: where rows are, never the rows
+                        assert all(isinstance(p, LanedStep) for p in srv.window.steps.values())
+                    at = pos[r]
+                    for run in resolved(reply, r, world).runs:
+                        for part in split_run(from_ipc(run)):
+                            mine = rank_slice(want[at], r, world, cfg.global_batch_size)
+                            assert expand(part).to_pydict() == expand(mine).to_pydict(), (
+                                world,
+                                r,
+                                at,
+                            )
+                            at += 1
+                    assert at == pos[r] + reply.steps
+                    pos[r] = at
+            assert pos == [len(want)] * world, (world, pos)
+            first = srv.feed.lanes[0].handle  # every rank asked past step 0 long ago
+            with pytest.raises(ray.exceptions.RayTaskError, match="no longer holds step 0"):
+                ray.get(first.take.options(concurrency_group="serve").remote([(0, 0, 1)], 0, 1))
+        finally:
+            srv.close()
+
+
+@pytest.mark.slow
+def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
+    """A lane actor killed mid-run: a rank taking rows it held gets an error that says the
+    lane is gone, and the service fails naming the lane, instead of hanging or serving a
+    step without that lane's rows."""
+    import time
+
+    import ray
+
+    from service.server import BatchServer
+    from tests.helpers import resolved
+    from wire.lanes import LaneGone
+
+    srv = BatchServer(config(small, 2).model_dump(mode="json"), prefetch=3)
+    try:
+        assert resolved(srv.get(0, 1, 0, 30.0), 0, 1).runs
+        while not (reply := srv.get(0, 1, 1, 2.0)).ready:
+            pass
+        ray.kill(srv.feed.lanes[1].handle)
+        with pytest.raises(LaneGone, match="is gone"):
+            resolved(reply, 0, 1)
+        deadline, step = time.time() + 60, 1 + reply.steps
+        with pytest.raises(RuntimeError, match="lane 1 of 2 failed"):
+            while time.time() < deadline:
+                if (r := srv.get(0, 1, step, 2.0)).ready:
+                    step += r.steps
+        assert "lane 1 of 2 failed" in srv.status()["error"]
+    finally:
+        srv.close()
