@@ -638,7 +638,10 @@ class BatchServer:
                     self.steering.forget_after(feed.step)
                 self._install(feed)
                 self._seeked = _bare(state)
+                retired, self._retired = self._retired, []  # a new sequence: nobody needs them
                 self._wake_all()
+            for old in retired:
+                old.close()
             return step
 
     def skip(self, steps: list[int] | None = None, docs: list | None = None,
