@@ -640,8 +640,8 @@ class BatchServer:
                 self._seeked = _bare(state)
                 retired, self._retired = self._retired, []  # a new sequence: nobody needs them
                 self._wake_all()
-            for old in retired:
-                old.close()
+            for _, old_feed in retired:
+                old_feed.close()
             return step
 
     def skip(self, steps: list[int] | None = None, docs: list | None = None,
