@@ -37,8 +37,7 @@ def run(corpus: Path, mode: str, write: bool, work: Path) -> dict:
     from pipeline.feed import Feed
     from pipeline.read.reading import iter_blocks_local
     from pipeline.read.resolve import parse_config
-    from service.export import _write, step_path
-    from wire.layout import compact
+    from wire.layout import compact, step_path, write_step
 
     cfg = parse_config({"seq_len": SEQ_LEN, "global_batch_size": 16, "packing": {"mode": mode},
                         "streams": {"s": {"paths": [str(corpus)]}}})  # fmt: skip
@@ -59,7 +58,7 @@ def run(corpus: Path, mode: str, write: bool, work: Path) -> dict:
     while (batch := feed.next_step()) is not None:
         if write:  # what the export does with a step
             step = int(batch.schema.metadata[b"global_step"])
-            _write(compact(batch, False), step_path(out, step, 0, "parquet"), "parquet")
+            write_step(compact(batch, False), step_path(out, step, 0, "parquet"), "parquet")
     elapsed = time.perf_counter() - t
     tokens = feed.real_tokens
     shutil.rmtree(out, ignore_errors=True)

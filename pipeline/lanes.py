@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,8 +66,12 @@ from pipeline.state.resume import (
 from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describe_lengths
 from wire.arrays import from_ipc, to_ipc, view
 from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, runs_of
+from wire.layout import compact, step_path, write_step
+from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
 
 STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane)
+RANK_META = (META_RANK, META_WORLD_SIZE, META_STEP_ROWS)  # what a lane's `take` adds
+PENDING = ".lane"  # a step file a lane wrote, until the export takes its step
 
 
 class LaneError(RuntimeError):
@@ -94,6 +99,25 @@ class Receipt:
     real_tokens: int
     tokens: list[int]  # per stream, in the config's order
     docs: list[int]  # documents started, per stream
+    written: tuple[int, ...] = ()  # ranks whose step files the lane wrote aside (`writes`)
+    labels: bool = False  # those files keep a labels column
+
+
+@dataclass(frozen=True)
+class Writes:
+    """Step files a lane writes itself (an export with lanes): for world size `world`, in
+    `fmt` (parquet, arrow) and `layout`, into `out`, each aside (`pending`) until the export
+    takes the step. A lane writes the files of the ranks whose rows lie in its part of a full
+    step; the export writes the others (a rank spanning lanes, the short last step)."""
+
+    out: str
+    world: int
+    fmt: str
+    full: bool  # the full layout, else compact (keeping labels when `keep_labels`)
+    keep_labels: bool
+
+    def pending(self, step: int, rank: int) -> Path:
+        return Path(str(step_path(Path(self.out), step, rank, self.fmt)) + PENDING)
 
 
 @dataclass(frozen=True)
@@ -105,6 +129,7 @@ class LanedStep:
     step: int
     lanes: tuple
     rows: tuple[int, ...]
+    receipts: tuple[Receipt, ...] = ()  # the lanes' receipts, in lane order
 
     @property
     def num_rows(self) -> int:
@@ -116,7 +141,11 @@ class LanedStep:
 
         calls = [h.take.options(concurrency_group=TAKE_GROUP).remote([(self.step, 0, n)], 0, 1)
                  for h, n in zip(self.lanes, self.rows, strict=True)]  # fmt: skip
-        parts = [from_ipc(ray.get(c, timeout=timeout_s)[0][0]) for c in calls]
+        parts = []
+        for c in calls:  # each lane's part, with the metadata it was made with
+            part = from_ipc(ray.get(c, timeout=timeout_s)[0][0])
+            meta = {k: v for k, v in (part.schema.metadata or {}).items() if k not in RANK_META}
+            parts.append(part.replace_schema_metadata(meta))
         return join_parts(parts)
 
 
@@ -139,9 +168,12 @@ class LaneWorker:
 
     def __init__(self, cfg_json: dict, lane: int, state: dict | None, allow_config_change: bool,
                  full_batches: bool, local: bool, ipc: bool,
-                 leave_out: LeaveOut | None = None, hold: bool = False):  # fmt: skip
+                 leave_out: LeaveOut | None = None, hold: bool = False,
+                 writes: Writes | None = None):  # fmt: skip
         cfg = Config.model_validate(cfg_json)
         self.lane = lane
+        self.lanes, self.global_batch_size = cfg.lanes, cfg.global_batch_size
+        self.writes = writes
         self.names = list(cfg.streams)
         # `hold`: the steps made stay here and the caller gets receipts (the batch server);
         # ranks take their rows (`take`, on threads of their own) until released.
@@ -175,8 +207,36 @@ class LaneWorker:
             with self._held_lock:
                 for i, (b, _) in enumerate(made):
                     self.held[first + i] = b
-            return [(served_counts(b, self.names), s) for b, s in made], rejects
+            receipts = [served_counts(b, self.names) for b, _ in made]
+            if self.writes is not None:
+                receipts = [replace(r, **self._write(first + i, b))
+                            for i, (r, (b, _)) in enumerate(zip(receipts, made, strict=True))]  # fmt: skip
+            return [(r, s) for r, (_, s) in zip(receipts, made, strict=True)], rejects
         return [(to_ipc(b) if self.ipc else b, s) for b, s in made], rejects
+
+    def _write(self, step: int, batch: pa.RecordBatch) -> dict:
+        """The files of `step` whose ranks' rows lie in this lane's part, if the part is full
+        (only then are its rows where a full step puts them), written aside: their ranks, and
+        whether they keep labels (Receipt `written`, `labels`)."""
+        w = self.writes
+        assert w is not None
+        G = self.global_batch_size
+        per_lane, per_rank = G // self.lanes, G // w.world
+        if batch.num_rows < per_lane:
+            return {}
+        stored = batch if w.full else compact(batch, w.keep_labels)
+        first = self.lane * per_lane
+        written = []
+        for r in range(first // per_rank, w.world):
+            lo, hi = r * per_rank - first, (r + 1) * per_rank - first
+            if lo < 0 or hi > per_lane:
+                continue  # the rank's rows span lanes: the export joins them
+            meta = dict(stored.schema.metadata or {})
+            meta[META_RANK], meta[META_WORLD_SIZE] = str(r).encode(), str(w.world).encode()
+            part = stored.slice(lo, hi - lo).replace_schema_metadata(meta)
+            write_step(part, w.pending(step, r), w.fmt)
+            written.append(r)
+        return {"written": tuple(written), "labels": "labels" in stored.schema.names}
 
     def take(self, parts: list[tuple[int, int, int]], rank: int, world_size: int
              ) -> list[tuple[bytes, int]]:  # fmt: skip
@@ -271,7 +331,8 @@ class LanedFeed:
                  state_every: int = 0,
                  on_reject: Callable[[Reject], None] | None = None,
                  wait_for_figures: bool = True,
-                 leave_out: LeaveOut | None = None, hold: bool = False):  # fmt: skip
+                 leave_out: LeaveOut | None = None, hold: bool = False,
+                 writes: Writes | None = None):  # fmt: skip
         self.cfg = cfg
         # `hold` (the batch server): the lanes keep the steps they make and `next_step` gives
         # a LanedStep (where its rows are) instead of the rows: ranks take them from the
@@ -306,8 +367,12 @@ class LanedFeed:
         # differ in layout (one kept labels it could not derive) is joined in full, then
         # compacted again (`_join`).
         # Documents to leave out go to every lane: each meets only its own.
+        # `writes` (an export on actors): the lanes write the step files of the ranks whose
+        # rows they hold (holding the steps, so that the export can join the others).
+        self.hold = self.hold or (writes is not None and not local)
+        self.writes = writes if self.hold else None
         args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local,
-                 leave_out, self.hold) for k in range(K)]  # fmt: skip
+                 leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
         self.lanes: list[_Local | _Actor]
         if local:
             self.lanes = [_Local(LaneWorker(*a)) for a in args]
@@ -441,7 +506,7 @@ class LanedFeed:
                 receipts = [steps[j][0] for steps in made]
                 rows = tuple(r.rows for r in receipts)
                 step = self.step + len(self._ready)  # the steps before it are ready
-                made_step: Any = (LanedStep(step, self._handles, rows), receipts)
+                made_step: Any = (LanedStep(step, self._handles, rows, tuple(receipts)), receipts)
             else:
                 batches = [self._batch(steps[j][0]) for steps in made]
                 rows = tuple(b.num_rows for b in batches)

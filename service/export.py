@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from pipeline.config import Config
 from pipeline.feed import Feed, LeaveOut, next_steps, rank_slice
-from pipeline.lanes import LanedFeed
+from pipeline.lanes import PENDING, LanedFeed, LanedStep, Writes
 from pipeline.read.reading import Executor, iter_blocks_local, ray_executor, with_head_start
 from pipeline.state.resume import check_laned_state, check_state
 from pipeline.state.summary import (
@@ -35,14 +34,9 @@ from pipeline.state.summary import (
     Phases,
     RunSummary,
 )
-from wire.layout import LAYOUTS, compact
+from wire.layout import LAYOUTS, compact, step_path, write_step
 
 STEPS_PER_CALL = 4
-
-
-def step_path(out: Path, step: int, rank: int, fmt: str) -> Path:
-    ext = {"parquet": "parquet", "arrow": "arrow"}[fmt]  # mds: one dataset, see _MdsSink
-    return out / f"step-{step:08d}-rank-{rank}.{ext}"
 
 
 MDS_COLUMNS = {
@@ -104,21 +98,6 @@ def process_started() -> float:
         return time.monotonic()
 
 
-def _write(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    if fmt == "parquet":
-        # No dictionary pages: token ids barely repeat within a step, so dictionary encoding
-        # is wasted work (measured: 8.1M -> 13.5M tokens/s written, 2.90 -> 2.25 bytes/token).
-        # LZ4, not zstd: a compact step of 16 x 2048 man-page tokens took 1.19 ms against
-        # 2.30 ms, at 1.10 against 0.81 bytes/token (uncompressed: 1.00 ms, 4.10 bytes/token).
-        # The writer shares the tokenizer workers' cores; the disk is rarely what is short.
-        pq.write_table(pa.Table.from_batches([batch]), tmp, compression="lz4", use_dictionary=False)
-    else:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as w:
-            w.write_batch(batch)
-    os.replace(tmp, path)
-
-
 class _StepFiles:
     """Writes each step's files (one per rank, or rows into the MDS dataset), the states due
     with them and the rejects, and keeps the export's counts and clock readings."""
@@ -141,21 +120,56 @@ class _StepFiles:
         self.first_at: float | None = None  # time.monotonic() of the first and last step written
         self.last_at: float | None = None
 
-    def step(self, batch: pa.RecordBatch, state: dict | None) -> None:
+    def step(
+        self, batch: pa.RecordBatch, state: dict | None, ranks: list[int] | None = None
+    ) -> None:
+        """A step's files (`ranks`' only, when given: the lanes wrote the others)."""
         t = time.monotonic()
         step = int(batch.schema.metadata[b"global_step"])
         if self.mds is not None:
             self.mds.write(batch)
         full = self.layout == "full" or self.mds is not None
         stored = batch if full else compact(batch, self.keep_labels)
-        for r in range(self.world_size if self.mds is None else 0):
+        for r in ranks if ranks is not None else range(self.world_size if self.mds is None else 0):
             part = rank_slice(stored, r, self.world_size, self.cfg.global_batch_size)
-            _write(part, step_path(self.out, step, r, self.fmt), self.fmt)
+            write_step(part, step_path(self.out, step, r, self.fmt), self.fmt)
         if state is not None:
-            path = self.out / f"state-{state['step']:08d}.json"
-            path.write_text(json.dumps(state, separators=(",", ":")) + "\n")
+            self._state(state)
         self.writing += time.monotonic() - t
         self.tokens += int(pc.sum(pc.list_flatten(batch.column("seq_lens"))).as_py() or 0)
+        self.written += 1
+        self.last_at = time.monotonic()
+        self.first_at = self.first_at or self.last_at
+
+    def from_lanes(self, made: LanedStep, state: dict | None) -> None:
+        """A step whose lanes wrote the files of the ranks whose rows they hold (`Writes`):
+        those are taken (renamed from aside), and the others written here from the whole
+        step, as `step` writes them: a rank whose rows span lanes, every rank of a short last
+        step, and every rank of a step whose lanes' files differ in keeping labels (one lane
+        masked tokens, and `step` keeps labels in every file then)."""
+        t = time.monotonic()
+        per_lane = self.cfg.global_batch_size // self.cfg.lanes
+        receipts = made.receipts
+        usable = (
+            all(r.rows == per_lane for r in receipts) and len({r.labels for r in receipts}) == 1
+        )
+        done: set[int] = set()
+        for r in receipts:
+            for rank in r.written:
+                pending = Path(str(step_path(self.out, made.step, rank, self.fmt)) + PENDING)
+                if usable:
+                    os.replace(pending, step_path(self.out, made.step, rank, self.fmt))
+                    done.add(rank)
+                else:
+                    pending.unlink()
+        rest = [r for r in range(self.world_size) if r not in done]
+        if rest:  # this process joins the step: every row of it passes here
+            self.step(made.whole(), state, ranks=rest)
+            return
+        if state is not None:
+            self._state(state)
+        self.writing += time.monotonic() - t
+        self.tokens += sum(r.real_tokens for r in receipts)
         self.written += 1
         self.last_at = time.monotonic()
         self.first_at = self.first_at or self.last_at
@@ -166,10 +180,16 @@ class _StepFiles:
         self.rejects_written += len(feed.rejects)
         feed.rejects.clear()
 
+    def _state(self, state: dict) -> None:
+        path = self.out / f"state-{state['step']:08d}.json"
+        path.write_text(json.dumps(state, separators=(",", ":")) + "\n")
+
     def close(self) -> None:
         self._rejects.close()
         if self.mds is not None:
             self.mds.close()
+        for left in self.out.glob(f"*{PENDING}"):  # made ahead by the lanes, never taken
+            left.unlink()
 
 
 def run_export(
@@ -240,16 +260,25 @@ def run_export(
             local = executor is iter_blocks_local
             if not local and ray_ready is not None:
                 ray_ready.result()
+            # On actors, the lanes write the files of the ranks whose rows they hold (all of
+            # them when K divides the world size): the writing, and every row, stay there.
+            writes = (None if local or fmt == "mds" else
+                      Writes(str(out), world_size, fmt, full, files.keep_labels))  # fmt: skip
             feed = LanedFeed(cfg, local=local, state=resume,
                              allow_config_change=allow_config_change, full_batches=full,
-                             state_every=state_every, leave_out=leave_out)  # fmt: skip
+                             state_every=state_every, leave_out=leave_out,
+                             writes=writes)  # fmt: skip
         feed_started = time.monotonic()  # before anything waits on the lanes
         at_start = feed.totals()  # a resumed feed's counts start at its state's
         while steps is None or files.written < steps:
             want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
             batches = next_steps(feed, want, state_every)
             for batch, state in batches:
-                files.step(batch, state)
+                if isinstance(batch, LanedStep):
+                    files.from_lanes(batch, state)
+                    feed.release(batch.step + 1)  # type: ignore[union-attr]
+                else:
+                    files.step(batch, state)
             files.rejects(feed)
             if progress:
                 progress(files.written, files.tokens, time.monotonic() - started)

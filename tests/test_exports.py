@@ -335,7 +335,7 @@ from pipeline.read.resolve import parse_config
 from wire.layout import compact
 from pipeline.feed import Feed
 from pipeline.read.reading import iter_blocks_local
-from service.export import _write
+from wire.layout import write_step as _write
 cfg = parse_config({{"seq_len": 256, "global_batch_size": 4,
                     "streams": {{"s": {{"paths": ["{tmp_path / "d.jsonl"}"]}}}}}})
 feed = Feed(cfg, iter_blocks_local)

@@ -486,3 +486,41 @@ def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
         assert "lane 1 of 2 failed" in srv.status()["error"]
     finally:
         srv.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lanes", [2, 4])
+def test_laned_exports_write_their_files_in_the_lanes(small, streams, ray_cluster, tmp_path,
+                                                      monkeypatch, lanes):  # fmt: skip
+    """An export on lane actors: each lane writes the files of the ranks whose rows it holds,
+    the export's process only joins and writes what spans lanes (a world smaller than K, the
+    short last step). Every file and state equals the export made in one process, byte for
+    byte, for worlds 1, 2, 4 and 8, to the end of the data and with a step limit the lanes
+    ran past; nothing a lane wrote ahead is left behind."""
+    from pipeline.lanes import PENDING, LanedStep
+
+    joined: list[int] = []
+    whole = LanedStep.whole
+    monkeypatch.setattr(LanedStep, "whole", lambda s, *a: joined.append(s.step) or whole(s, *a))
+    for corpus, steps, tag in ((small, None, "small"), (streams, 5, "chat")):
+        cfg = config(corpus, lanes)
+        for world in (1, 2, 4, 8):
+            local, actors = tmp_path / f"{tag}-{world}-local", tmp_path / f"{tag}-{world}-actors"
+            run_export(cfg, local, steps=steps, world_size=world, state_every=2,
+                       executor=iter_blocks_local)  # fmt: skip
+            joined.clear()
+            s = run_export(cfg, actors, steps=steps, world_size=world, state_every=2)
+            names = sorted(p.name for p in local.iterdir() if p.name != "summary.json")
+            assert names == sorted(p.name for p in actors.iterdir() if p.name != "summary.json")
+            assert not list(actors.glob(f"*{PENDING}"))
+            for name in names:
+                assert (local / name).read_bytes() == (actors / name).read_bytes(), (
+                    tag,
+                    world,
+                    name,
+                )
+            n = s.export.steps_written
+            # The export joins every step when ranks span lanes, else only the short last one.
+            spans = world < lanes
+            last_short = steps is None
+            assert len(joined) == (n if spans else int(last_short)), (tag, world, joined)

@@ -17,6 +17,9 @@ about 3 core-seconds per 36M tokens taken from the tokenizer workers' two cores.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -106,6 +109,28 @@ def _with_labels(batch: pa.RecordBatch) -> pa.RecordBatch:
     labels = _fixed(tensor_columns(batch)["labels"], L)
     field = batch_schema(L).field("labels")
     return batch.add_column(1, field, labels)
+
+
+def step_path(out: Path, step: int, rank: int, fmt: str) -> Path:
+    """Where an export keeps rank `rank`'s rows of `step` (`fmt` parquet or arrow)."""
+    ext = {"parquet": "parquet", "arrow": "arrow"}[fmt]  # mds: one dataset (service/export.py)
+    return out / f"step-{step:08d}-rank-{rank}.{ext}"
+
+
+def write_step(batch: pa.RecordBatch, path: Path, fmt: str) -> None:
+    """One step file, whole or not at all (written aside, then renamed)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    if fmt == "parquet":
+        # No dictionary pages: token ids barely repeat within a step, so dictionary encoding
+        # is wasted work (measured: 8.1M -> 13.5M tokens/s written, 2.90 -> 2.25 bytes/token).
+        # LZ4, not zstd: a compact step of 16 x 2048 man-page tokens took 1.19 ms against
+        # 2.30 ms, at 1.10 against 0.81 bytes/token (uncompressed: 1.00 ms, 4.10 bytes/token).
+        # The writer shares the tokenizer workers' cores; the disk is rarely what is short.
+        pq.write_table(pa.Table.from_batches([batch]), tmp, compression="lz4", use_dictionary=False)
+    else:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as w:
+            w.write_batch(batch)
+    os.replace(tmp, path)
 
 
 def read_step(path) -> pa.RecordBatch:
