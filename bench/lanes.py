@@ -1,6 +1,6 @@
 """Lanes against cores: the export's rate with the whole process tree confined to N cores.
 
-    python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 4] [--json PATH]
+    python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 4] [--world-size 8] [--json PATH]
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
 export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
@@ -16,6 +16,9 @@ run's steps, the export's own definition) and end to end (process start to last 
 ratios: steady ÷ (N × the 1-core, 1-lane steady of the same input), and the text export's
 steady ÷ (N × fastokens' single-core rate on the same texts, measured here in this process).
 Medians of `repeats` runs. The absolute figures are this machine's; the ratios are the point.
+Each export writes files for `--world-size` ranks (default 8, a node of 8 GPUs): with lanes,
+each lane writes the files of the ranks whose rows it holds, so a world that K divides keeps
+the writing in the lanes (a world of 1 makes the export's process join every step).
 """
 
 from __future__ import annotations
@@ -52,14 +55,14 @@ def fastokens_rate(texts: list[str], repeats: int = 3) -> float:
     return best
 
 
-def export(config: dict, work: Path, cores: int, tag: str) -> dict:
+def export(config: dict, work: Path, cores: int, tag: str, world: int = 1) -> dict:
     """One confined export process; its summary's figures."""
     path = work / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(config))
     out = work / tag
     cpus = f"0-{cores - 1}" if cores > 1 else "0"
     cmd = ["taskset", "-c", cpus, sys.executable, "-m", "service", "export",
-           "--config", str(path), "--out", str(out)]  # fmt: skip
+           "--config", str(path), "--out", str(out), "--world-size", str(world)]  # fmt: skip
     t = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -79,6 +82,7 @@ def main(argv=None) -> int:
                     "to this process's cores)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=4, help="passes over code.jsonl")
+    ap.add_argument("--world-size", type=int, default=8, help="ranks each export writes for")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from service.cluster import usable_cpus
@@ -106,8 +110,8 @@ def main(argv=None) -> int:
             for lanes in sorted({1, n}):
                 if BATCH % lanes:
                     continue
-                runs = [export(cfg | {"lanes": lanes}, work, n, f"{kind}-{n}-{lanes}-{i}")
-                        for i in range(args.repeats)]  # fmt: skip
+                runs = [export(cfg | {"lanes": lanes}, work, n, f"{kind}-{n}-{lanes}-{i}",
+                               args.world_size) for i in range(args.repeats)]  # fmt: skip
                 rows.append({"input": kind, "cores": n, "lanes": lanes,
                              **{k: statistics.median(r[k] for r in runs)
                                 for k in ("steady", "end_to_end", "wall_s")},
