@@ -1,6 +1,7 @@
 """Lanes against cores: the export's rate with the whole process tree confined to N cores.
 
     python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 4] [--world-size 8] [--json PATH]
+    python -m bench.lanes --served [--cores 1,2] [--steps 300] [--json PATH]
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
 export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
@@ -76,6 +77,59 @@ def export(config: dict, work: Path, cores: int, tag: str, world: int = 1) -> di
             "tokens": s["real_tokens"], "steps": s["steps"], "wall_s": wall}  # fmt: skip
 
 
+def served(config: dict, work: Path, cores: int, tag: str, steps: int) -> dict:
+    """One confined `bench.serve_ranks` (the service, its lanes and 8 model-less rank
+    processes under `taskset` on N cores): its figures."""
+    path = work / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = work / f"{tag}.json"
+    cpus = f"0-{cores - 1}" if cores > 1 else "0"
+    cmd = ["taskset", "-c", cpus, sys.executable, "-m", "bench.serve_ranks", "--config", str(path),
+           "--steps", str(steps), "--json", str(out)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
+    d = json.loads(out.read_text())
+    steady, cpu = d["tokens_per_s"]["steady"], d["cpu_steady"]["served"]
+    return {"served": steady["served"], "export": steady["export"], "ratio": steady["ratio"],
+            "actor_ms_per_step": cpu["actor_ms_per_step"],
+            "ranks_ms_per_step": cpu["ranks_ms_per_step"], "machine_busy": cpu["machine_busy"]}  # fmt: skip
+
+
+def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str | None) -> int:
+    """Served tokens/s against cores: at N cores, `lanes` N (the documented rule: a lane per
+    core, K dividing G), and the ratio to N x the 1-core, 1-lane served rate; a projection of
+    the data cores that feed 1,024 GPUs at 50k tokens/s each, at the per-core rate of the
+    largest N measured (a model: linear past it, which only a larger machine can check)."""
+    rows = []
+    for kind, cfg in inputs.items():
+        for n in cores:
+            lanes = max(k for k in range(1, n + 1) if BATCH % k == 0)
+            rows.append({"input": kind, "cores": n, "lanes": lanes,
+                         **served(cfg | {"lanes": lanes}, work, n, f"served-{kind}-{n}", steps)})  # fmt: skip
+    base = {r["input"]: r["served"] for r in rows if r["cores"] == 1}
+    head = (f"{'input':<14}{'cores':>6}{'lanes':>6}{'served tok/s':>14}{'÷ N×1-core':>12}"
+            f"{'÷ export':>10}{'actor ms/step':>15}{'ranks ms/step':>15}{'busy':>6}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        r["scaling"] = r["served"] / (r["cores"] * base[r["input"]]) if r["input"] in base else None
+        scaling = "" if r["scaling"] is None else f"{r['scaling']:.2f}"
+        print(f"{r['input']:<14}{r['cores']:>6}{r['lanes']:>6}{r['served']:>14,.0f}{scaling:>12}"
+              f"{r['ratio']:>10.2f}{r['actor_ms_per_step']:>15.1f}{r['ranks_ms_per_step']:>15.1f}"
+              f"{r['machine_busy']:>6.0%}")  # fmt: skip
+    need = 1024 * 50_000
+    for kind in inputs:
+        top = max((r for r in rows if r["input"] == kind), key=lambda r: r["cores"])
+        per_core = top["served"] / top["cores"]
+        print(f"{kind}: {per_core / 1e6:.2f}M tokens/s per data core at {top['cores']} cores -> "
+              f"~{-(-need // per_core):.0f} data cores feed 1,024 GPUs at 50k tokens/s each "
+              "(if it stays linear)")  # fmt: skip
+    if out:
+        Path(out).write_text(json.dumps({"points": rows}, indent=2) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--cores", default=None, help="comma-separated (default: 1, 2, 4, … up "
@@ -83,6 +137,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=4, help="passes over code.jsonl")
     ap.add_argument("--world-size", type=int, default=8, help="ranks each export writes for")
+    ap.add_argument(
+        "--served",
+        action="store_true",
+        help="served to 8 model-less ranks (bench.serve_ranks) instead of exports",
+    )
+    ap.add_argument("--steps", type=int, default=300, help="global steps served (--served)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from service.cluster import usable_cpus
@@ -103,6 +163,13 @@ def main(argv=None) -> int:
     subprocess.run([sys.executable, "-m", "service", "export", "--config",
                     str(work / "pretokenized.yaml"), "--out", str(pretok_dir)],
                    check=True, capture_output=True)  # fmt: skip
+    if args.served:  # read as often as the steps need
+        forever = {k: c | {"streams": {"code": c["streams"]["code"] | {"repeat": 1000}}}
+                   for k, c in (("text", text), ("pre-tokenized", pretok))}  # fmt: skip
+        try:
+            return run_served(forever, cores, work, args.steps, args.json)
+        finally:
+            os.system(f"rm -rf {work}")
     fast = fastokens_rate(corpus_texts(corpus, 4 << 20))
     rows = []
     for kind, cfg in (("text", text), ("pre-tokenized", pretok)):
