@@ -42,10 +42,11 @@ np.savez(out, ids=np.stack([np.stack(got[r]) for r in range(world)]))
 """
 
 
-def make_cfg(tmp_path, G=4, L=64):
+def make_cfg(tmp_path, G=4, L=64, lanes=1):
     write_jsonl(tmp_path / "a.jsonl", stdlib_texts(40, max_bytes=3000))
     return parse_config({"seed": 7, "seq_len": L, "global_batch_size": G, "shuffle": {"window": 4},
-                         "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}})  # fmt: skip
+                         "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}},
+                         **({"lanes": lanes} if lanes > 1 else {})})  # fmt: skip
 
 
 @pytest.fixture
@@ -103,8 +104,10 @@ def assert_equal_to_export(got: dict[int, list], want: dict, steps: int):
             np.testing.assert_array_equal(labels, want[(s, rank)][1])
 
 
-def test_late_out_of_order_ranks_with_accumulation_equal_the_export(served, tmp_path):
-    cfg = make_cfg(tmp_path)
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_late_out_of_order_ranks_with_accumulation_equal_the_export(served, tmp_path, lanes):
+    """With lanes too: the lanes keep every step the late rank has not taken."""
+    cfg = make_cfg(tmp_path, lanes=lanes)
     steps = 10
     name = f"late{os.getpid()}"
     actor = served(cfg, name, prefetch=2)
@@ -146,8 +149,10 @@ def test_a_rank_asking_with_another_world_size_gets_a_clear_error(served, tmp_pa
         Feed.connect(service=name, rank=0, world_size=4)
 
 
-def test_a_straggler_10x_slower_loses_nothing_and_memory_stays_bounded(served, tmp_path):
-    cfg = make_cfg(tmp_path)
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_straggler_10x_slower_loses_nothing_and_memory_stays_bounded(served, tmp_path, lanes):
+    """With lanes too: the straggler holds the lanes' rows back, the window bounds them."""
+    cfg = make_cfg(tmp_path, lanes=lanes)
     steps, prefetch = 12, 3
     name = f"strag{os.getpid()}"
     actor = served(cfg, name, prefetch=prefetch)
