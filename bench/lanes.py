@@ -1,7 +1,7 @@
 """Lanes against cores: the export's rate with the whole process tree confined to N cores.
 
     python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 4] [--world-size 8] [--json PATH]
-    python -m bench.lanes --served [--cores 1,2] [--steps 300] [--json PATH]
+    python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--json PATH]
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
 export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         action="store_true",
         help="served to 8 model-less ranks (bench.serve_ranks) instead of exports",
     )
-    ap.add_argument("--steps", type=int, default=300, help="global steps served (--served)")
+    ap.add_argument("--steps", type=int, default=1000, help="global steps served (--served)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from service.cluster import usable_cpus
