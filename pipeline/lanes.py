@@ -425,6 +425,7 @@ class LanedFeed:
         # The chunks asked for ahead (IN_FLIGHT): each its step count and the lanes' answers.
         self._pending: collections.deque[tuple[int, list]] = collections.deque()
         self._asked = self.step  # steps asked of every lane: the first step no lane has begun
+        self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
         # The state after the last step handed out; at the start, the lanes' own.
         self._state: dict | None = (
             self._nest([lane.get(lane.call("state")) for lane in self.lanes])
@@ -493,6 +494,7 @@ class LanedFeed:
                 answers.append(lane.get(handle))
             except Exception as e:
                 raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+        self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
         while not isinstance(self.lanes[0], _Local) and len(self._pending) < IN_FLIGHT:
             ahead = self._ask()
@@ -531,6 +533,21 @@ class LanedFeed:
                 self.finished = True
                 return
 
+    def _confirm_changes(self) -> None:
+        """Weight changes set without waiting (`set_weights(wait=False)`) that every lane has
+        answered: each must have taken it at its step; a lane that failed fails the feed."""
+        while self._changes:
+            step, calls = self._changes[0]
+            if not all(lane.ready(c) for lane, c in zip(self.lanes, calls, strict=True)):
+                return
+            for k, (lane, call) in enumerate(zip(self.lanes, calls, strict=True)):
+                try:
+                    got = lane.get(call)
+                except Exception as e:
+                    raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+                assert got == step, (got, step)
+            self._changes.pop(0)
+
     def _batch(self, made) -> pa.RecordBatch:
         return from_ipc(made) if isinstance(made, bytes) else made
 
@@ -559,10 +576,12 @@ class LanedFeed:
         return self._state
 
     def set_weights(self, weights: dict[str, float], effective_step: int | None = None,
-                    source: str = "api") -> int:  # fmt: skip
+                    source: str = "api", wait: bool = True) -> int:  # fmt: skip
         """New weights in every lane from one global step: `effective_step`, or the first
         step no lane has begun if that is later (lanes make steps ahead of what is handed
-        out). Never a step already handed out. Returns the step."""
+        out). Never a step already handed out. Returns the step. `wait` False (the batch
+        server, under its lock): the lanes' answers, which queue behind the chunks asked
+        ahead, are checked as they come (`_fill`), not waited for here."""
         step = self._asked if effective_step is None else int(effective_step)
         if step < self.step:
             raise ValueError(
@@ -573,8 +592,11 @@ class LanedFeed:
             step = max(step, self._asked)
             calls = [lane.call("set_weights", weights, step, source) for lane in self.lanes]
             self.mixer.schedule(step, weights, source=source)
-        got = [lane.get(call) for lane, call in zip(self.lanes, calls, strict=True)]
-        assert set(got) == {step}, got
+        if wait:
+            got = [lane.get(call) for lane, call in zip(self.lanes, calls, strict=True)]
+            assert set(got) == {step}, got
+        else:
+            self._changes.append((step, calls))
         with self._lock:
             if step == self.step == self._asked and self._state is not None:
                 # Before its step is begun (the mixing policy's decisions): the state at it
@@ -589,9 +611,9 @@ class LanedFeed:
     def stop_reading(self) -> None:
         """Stop the lanes' reads and making, and keep the lanes (and the rows they hold) until
         `close`: a skip replaced this feed while ranks may still fetch its steps."""
-        for lane in self.lanes:
+        for lane in self.lanes:  # queued behind the chunks asked: not waited for
             with contextlib.suppress(Exception):  # a dead lane reads nothing
-                lane.get(lane.call("close"))
+                lane.call("close")
 
     # -- figures ----------------------------------------------------------------------------
 

@@ -117,6 +117,7 @@ class _StepFiles:
         self._rejects = open(self.rejects_path, "w")  # noqa: SIM115 (closed in close())
         self.written = self.tokens = self.rejects_written = 0
         self.writing = 0.0  # seconds spent writing
+        self.lanes_write = False  # lanes write files aside (`Writes`): cleared up at close
         self.first_at: float | None = None  # time.monotonic() of the first and last step written
         self.last_at: float | None = None
 
@@ -158,10 +159,13 @@ class _StepFiles:
             for rank in r.written:
                 pending = Path(str(step_path(self.out, made.step, rank, self.fmt)) + PENDING)
                 if usable:
-                    os.replace(pending, step_path(self.out, made.step, rank, self.fmt))
-                    done.add(rank)
+                    try:
+                        os.replace(pending, step_path(self.out, made.step, rank, self.fmt))
+                        done.add(rank)
+                    except FileNotFoundError:  # not where this process sees it: written here
+                        pass
                 else:
-                    pending.unlink()
+                    pending.unlink(missing_ok=True)
         rest = [r for r in range(self.world_size) if r not in done]
         if rest:  # this process joins the step: every row of it passes here
             self.step(made.whole(), state, ranks=rest)
@@ -188,8 +192,18 @@ class _StepFiles:
         self._rejects.close()
         if self.mds is not None:
             self.mds.close()
-        for left in self.out.glob(f"*{PENDING}"):  # made ahead by the lanes, never taken
-            left.unlink()
+        for left in self.out.glob(f"*{PENDING}*") if self.lanes_write else ():
+            left.unlink(missing_ok=True)  # made ahead by the lanes, never taken
+
+
+def _one_node() -> bool:
+    """Does the Ray cluster this process joined have one live node (this one)?"""
+    import ray
+
+    try:
+        return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
+    except Exception:
+        return False
 
 
 def run_export(
@@ -262,8 +276,11 @@ def run_export(
                 ray_ready.result()
             # On actors, the lanes write the files of the ranks whose rows they hold (all of
             # them when K divides the world size): the writing, and every row, stay there.
-            writes = (None if local or fmt == "mds" else
-                      Writes(str(out), world_size, fmt, full, files.keep_labels))  # fmt: skip
+            # Only where the lanes share this machine's disk: one node (a lane elsewhere
+            # would write where this process cannot rename).
+            writes = (Writes(str(out.resolve()), world_size, fmt, full, files.keep_labels)
+                      if not local and fmt != "mds" and _one_node() else None)  # fmt: skip
+            files.lanes_write = writes is not None
             feed = LanedFeed(cfg, local=local, state=resume,
                              allow_config_change=allow_config_change, full_batches=full,
                              state_every=state_every, leave_out=leave_out,
@@ -287,9 +304,9 @@ def run_export(
         summary = feed.summary()
         this_run = feed.totals().since(at_start)
     finally:
-        files.close()
         if feed is not None:
-            feed.close()
+            feed.close()  # first: no lane writes a file after this
+        files.close()
     marks = {"ray_connected": connected[0], "feed_started": feed_started}
     clock = _timings(summary.first_reads, started, begun, files, marks)
     report = ExportReport(

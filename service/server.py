@@ -518,6 +518,8 @@ class BatchServer:
         """Under the lock: lanes that hold the rows (`lanes` > 1) may let go of the steps every
         live rank has fetched; lanes a skip replaced (`_retired`) close once none of their
         steps is needed."""
+        if not self._retired and not getattr(self.feed, "hold", False):
+            return  # lanes: 1, nothing held elsewhere
         below = self.window.fetched_floor()
         release = getattr(self.feed, "release", None)
         if release is not None and getattr(self.feed, "hold", False):
@@ -745,7 +747,13 @@ class BatchServer:
 
         for s, held in batches.items():  # rows the lanes hold: joined here (a rare call)
             if isinstance(held, LanedStep):
-                batches[s] = held.whole()
+                try:
+                    batches[s] = held.whole()
+                except Exception as e:  # let go meanwhile, or its lanes closed
+                    raise StepGone(
+                        f"step {s}: its lanes no longer hold it ({type(e).__name__}); "
+                        "try again: it is recomputed from a kept state"
+                    ) from None
         if rest:
             if state is None:
                 raise StepGone(f"no state at or before step {rest[0]} is kept (states: {held})")
@@ -784,7 +792,12 @@ class BatchServer:
             # The first step whose production has not begun; it changes only under this lock
             # (feed.step moves inside next_step, outside it), so concurrent calls agree and
             # the schedule never goes backwards, also across the end of the data.
-            step = self.feed.set_weights(weights, self.producer.first_open)
+            from pipeline.lanes import LanedFeed
+
+            if isinstance(self.feed, LanedFeed):  # its lanes confirm it as they come to it
+                step = self.feed.set_weights(weights, self.producer.first_open, wait=False)
+            else:
+                step = self.feed.set_weights(weights, self.producer.first_open)
             self._sample(force=True)
             return step
 

@@ -334,6 +334,10 @@ class Feed:
             return fetch(reply.lanes, self.rank, self.world_size, self.timeout_s)[0]
         except (LaneGone, LookupError, TimeoutError) as e:
             raise FeedError(f"step {self.step}: {e}") from None
+        except Exception as e:  # any other failure of a lane's answer, named
+            raise FeedError(
+                f"step {self.step}: taking rows from a lane: {type(e).__name__}: {e}"
+            ) from None
 
     def report_loss(self, step: int, losses: dict[str, list[float]]) -> None:
         """Global step `step`'s loss per stream on this rank (`stream_loss`), fire and forget:
