@@ -43,8 +43,7 @@ from pipeline.state.resume import (
 )
 from pipeline.state.summary import RunSummary, RunTotals, run_totals, summarize
 from pipeline.tokenize.engines import load_tokenizer
-from wire.lanes import rank_rows, runs_of
-from wire.protocol import META_RANK, META_WORLD_SIZE
+from wire.lanes import rank_meta, rank_rows, runs_of
 from wire.schema import build_batch, with_metadata
 
 
@@ -243,12 +242,6 @@ class Feed:
         return run_totals(self)
 
 
-def _rank_meta(batch: pa.RecordBatch, rank: int, world_size: int) -> dict:
-    meta = dict(batch.schema.metadata or {})
-    meta.update({META_RANK: str(rank).encode(), META_WORLD_SIZE: str(world_size).encode()})
-    return meta
-
-
 def rank_slice(
     batch: pa.RecordBatch,
     rank: int,
@@ -264,7 +257,7 @@ def rank_slice(
     rows = rank_rows(batch.num_rows, rank, world_size, global_batch_size)
     part = batch.slice(rows.start, rows.stop - rows.start)
     part = pa.concat_batches([part]) if own_buffers and world_size > 1 else part
-    return part.replace_schema_metadata(_rank_meta(batch, rank, world_size))
+    return part.replace_schema_metadata(rank_meta(batch, rank, world_size))
 
 
 def rank_runs(

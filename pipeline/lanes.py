@@ -65,7 +65,7 @@ from pipeline.state.resume import (
 )
 from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describe_lengths
 from wire.arrays import from_ipc, to_ipc, view
-from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, runs_of
+from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, rank_meta, runs_of
 from wire.layout import compact, step_path, write_step
 from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
 
@@ -227,20 +227,20 @@ class LaneWorker:
         w = self.writes
         assert w is not None
         G = self.global_batch_size
-        per_lane, per_rank = G // self.lanes, G // w.world
+        per_lane = G // self.lanes
         if batch.num_rows < per_lane:
             return {}
         stored = batch if w.full else compact(batch, w.keep_labels)
-        first = self.lane * per_lane
+        full_step = [per_lane] * self.lanes
         written = []
-        for r in range(first // per_rank, w.world):
-            lo, hi = r * per_rank - first, (r + 1) * per_rank - first
-            if lo < 0 or hi > per_lane:
-                continue  # the rank's rows span lanes: the export joins them
-            meta = dict(stored.schema.metadata or {})
-            meta[META_RANK], meta[META_WORLD_SIZE] = str(r).encode(), str(w.world).encode()
-            part = stored.slice(lo, hi - lo).replace_schema_metadata(meta)
-            write_step(part, w.pending(step, r), w.fmt)
+        for r in range(w.world):
+            parts = lane_parts(full_step, r, w.world, G)
+            if len(parts) != 1 or parts[0][0] != self.lane:
+                continue  # not in this lane, or spanning lanes: the export joins them
+            _, lo, hi = parts[0]
+            part = stored.slice(lo, hi - lo)
+            write_step(part.replace_schema_metadata(rank_meta(part, r, w.world)),
+                       w.pending(step, r), w.fmt)  # fmt: skip
             written.append(r)
         return {"written": tuple(written), "labels": "labels" in stored.schema.names}
 
@@ -343,7 +343,10 @@ class LanedFeed:
         # `hold` (the batch server): the lanes keep the steps they make and `next_step` gives
         # a LanedStep (where its rows are) instead of the rows: ranks take them from the
         # lanes, and this process never touches token data (actors only).
-        self.hold = hold and not local
+        # `writes` (an export on actors): the lanes write the step files of the ranks whose
+        # rows they hold (holding the steps, so that the export can join the others).
+        self.hold = (hold or writes is not None) and not local
+        self.writes = writes if self.hold else None
         self._release: int | None = None  # the lanes let go of steps before this (hold)
         self.names = list(cfg.streams)
         self.config_hash = cfg.config_hash()
@@ -373,10 +376,6 @@ class LanedFeed:
         # differ in layout (one kept labels it could not derive) is joined in full, then
         # compacted again (`_join`).
         # Documents to leave out go to every lane: each meets only its own.
-        # `writes` (an export on actors): the lanes write the step files of the ranks whose
-        # rows they hold (holding the steps, so that the export can join the others).
-        self.hold = self.hold or (writes is not None and not local)
-        self.writes = writes if self.hold else None
         args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local,
                  leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
         self.lanes: list[_Local | _Actor]

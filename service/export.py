@@ -117,7 +117,7 @@ class _StepFiles:
         self._rejects = open(self.rejects_path, "w")  # noqa: SIM115 (closed in close())
         self.written = self.tokens = self.rejects_written = 0
         self.writing = 0.0  # seconds spent writing
-        self.lanes_write = False  # lanes write files aside (`Writes`): cleared up at close
+        self.writes: Writes | None = None  # lanes write files aside: taken, or cleared at close
         self.first_at: float | None = None  # time.monotonic() of the first and last step written
         self.last_at: float | None = None
 
@@ -155,9 +155,10 @@ class _StepFiles:
             all(r.rows == per_lane for r in receipts) and len({r.labels for r in receipts}) == 1
         )
         done: set[int] = set()
+        assert self.writes is not None
         for r in receipts:
             for rank in r.written:
-                pending = Path(str(step_path(self.out, made.step, rank, self.fmt)) + PENDING)
+                pending = self.writes.pending(made.step, rank)
                 if usable:
                     try:
                         os.replace(pending, step_path(self.out, made.step, rank, self.fmt))
@@ -192,7 +193,7 @@ class _StepFiles:
         self._rejects.close()
         if self.mds is not None:
             self.mds.close()
-        for left in self.out.glob(f"*{PENDING}*") if self.lanes_write else ():
+        for left in self.out.glob(f"*{PENDING}*") if self.writes is not None else ():
             left.unlink(missing_ok=True)  # made ahead by the lanes, never taken
 
 
@@ -280,7 +281,7 @@ def run_export(
             # would write where this process cannot rename).
             writes = (Writes(str(out.resolve()), world_size, fmt, full, files.keep_labels)
                       if not local and fmt != "mds" and _one_node() else None)  # fmt: skip
-            files.lanes_write = writes is not None
+            files.writes = writes
             feed = LanedFeed(cfg, local=local, state=resume,
                              allow_config_change=allow_config_change, full_batches=full,
                              state_every=state_every, leave_out=leave_out,

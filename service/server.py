@@ -518,12 +518,12 @@ class BatchServer:
         """Under the lock: lanes that hold the rows (`lanes` > 1) may let go of the steps every
         live rank has fetched; lanes a skip replaced (`_retired`) close once none of their
         steps is needed."""
-        if not self._retired and not getattr(self.feed, "hold", False):
+        holding = getattr(self.feed, "hold", False)  # a LanedFeed whose lanes keep the rows
+        if not self._retired and not holding:
             return  # lanes: 1, nothing held elsewhere
         below = self.window.fetched_floor()
-        release = getattr(self.feed, "release", None)
-        if release is not None and getattr(self.feed, "hold", False):
-            release(below)
+        if holding:
+            self.feed.release(below)  # type: ignore[union-attr]
         done = [feed for end, feed in self._retired if end <= below]
         if done:
             self._retired = [(end, feed) for end, feed in self._retired if end > below]

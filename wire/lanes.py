@@ -77,6 +77,13 @@ def plan(
     return dict(sorted(out.items()))
 
 
+def rank_meta(batch: pa.RecordBatch, rank: int, world_size: int) -> dict:
+    """The batch's metadata, naming rank `rank` of `world_size` as the rows' owner."""
+    meta = dict(batch.schema.metadata or {})
+    meta[META_RANK], meta[META_WORLD_SIZE] = str(rank).encode(), str(world_size).encode()
+    return meta
+
+
 def runs_of(
     parts: list[pa.RecordBatch], rank: int, world_size: int
 ) -> list[tuple[pa.RecordBatch, int]]:
@@ -92,8 +99,7 @@ def runs_of(
             runs.append([part])
     out = []
     for run in runs:
-        meta = dict(run[0].schema.metadata or {})
-        meta[META_RANK], meta[META_WORLD_SIZE] = str(rank).encode(), str(world_size).encode()
+        meta = rank_meta(run[0], rank, world_size)
         meta[META_STEP_ROWS] = ",".join(str(p.num_rows) for p in run).encode()
         joined = pa.concat_batches(run) if len(run) > 1 else run[0]
         out.append((joined.replace_schema_metadata(meta), len(run)))
