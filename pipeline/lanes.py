@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -107,6 +109,7 @@ class Receipt:
     docs: list[int]  # documents started, per stream
     written: tuple[int, ...] = ()  # ranks whose step files the lane wrote aside (`writes`)
     labels: bool = False  # those files keep a labels column
+    held: int = 0  # steps the lane held once it had made this one (metrics `lanes`)
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,8 @@ class LaneWorker:
             with self._held_lock:
                 for i, (b, _) in enumerate(made):
                     self.held[first + i] = b
-            receipts = [served_counts(b, self.names) for b, _ in made]
+                held = len(self.held)
+            receipts = [replace(served_counts(b, self.names), held=held) for b, _ in made]
             if self.writes is not None:
                 receipts = [replace(r, **self._write(first + i, b))
                             for i, (r, (b, _)) in enumerate(zip(receipts, made, strict=True))]  # fmt: skip
@@ -262,6 +266,11 @@ class LaneWorker:
 
     def set_weights(self, weights: dict[str, float], step: int, source: str = "api") -> int:
         return self.feed.set_weights(weights, step, source)
+
+    def process(self) -> dict:
+        """Where this lane runs: its process id and host (metrics `lanes`, benches that pin
+        a lane to a core)."""
+        return {"pid": os.getpid(), "host": socket.gethostname()}
 
     def state(self) -> dict:
         """The lane's state now (before its first step: where it starts)."""
@@ -394,6 +403,10 @@ class LanedFeed:
             self.lanes = [_Actor(actor.options(**opts).remote(*a)) for a in args]
         # One tuple shared by every step it makes (wire/lanes.py groups a reply's steps by it).
         self._handles = tuple(getattr(lane, "handle", None) for lane in self.lanes)
+        # Where each lane runs (asked now, read once answered) and the steps it held when it
+        # last answered (holding lanes): metrics `lanes`.
+        self._processes = [lane.call("process") for lane in self.lanes]
+        self._held = [0] * K
         self.rejects: list[Reject] = []
         self.on_reject = on_reject
         # False (the batch server): `summary` answers with the lanes' last summaries and asks
@@ -487,12 +500,11 @@ class LanedFeed:
         chunk = self._pending.popleft() if self._pending else self._ask()
         assert chunk is not None  # nothing pending and nothing ready: the step made is asked
         n, asked = chunk
-        answers = []
-        for k, (lane, handle) in enumerate(zip(self.lanes, asked, strict=True)):
-            try:
-                answers.append(lane.get(handle))
-            except Exception as e:
-                raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+        answers = [self._answer(k, call) for k, call in enumerate(asked)]
+        if self.hold:
+            for k, (steps, _) in enumerate(answers):
+                if steps:
+                    self._held[k] = steps[-1][0].held
         self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
         while not isinstance(self.lanes[0], _Local) and len(self._pending) < IN_FLIGHT:
@@ -539,13 +551,30 @@ class LanedFeed:
             step, calls = self._changes[0]
             if not all(lane.ready(c) for lane, c in zip(self.lanes, calls, strict=True)):
                 return
-            for k, (lane, call) in enumerate(zip(self.lanes, calls, strict=True)):
-                try:
-                    got = lane.get(call)
-                except Exception as e:
-                    raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+            for k, call in enumerate(calls):
+                got = self._answer(k, call)
                 assert got == step, (got, step)
             self._changes.pop(0)
+
+    def _answer(self, k: int, call) -> Any:
+        """Lane k's answer to `call`; a lane that failed fails the feed, by name."""
+        try:
+            return self.lanes[k].get(call)
+        except Exception as e:
+            raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+
+    def lane_view(self) -> list[dict]:
+        """Each lane: its process (pid, host; None until it has said) and, when the lanes
+        hold the rows, the steps it held when it last answered (the window's steps, those not
+        yet released, and those made ahead)."""
+        out = []
+        for k, (lane, call) in enumerate(zip(self.lanes, self._processes, strict=True)):
+            where = {"pid": None, "host": None}
+            if lane.ready(call):
+                with contextlib.suppress(Exception):  # a lane that died says nothing
+                    where = lane.get(call)
+            out.append({"lane": k, **where, "held_steps": self._held[k] if self.hold else None})
+        return out
 
     def _batch(self, made) -> pa.RecordBatch:
         return from_ipc(made) if isinstance(made, bytes) else made

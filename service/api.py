@@ -533,6 +533,12 @@ def _families(m: dict, st: dict) -> list:
         )
     gauge("prefetch_window_steps", "Global steps the producer may run ahead", m.get("prefetch"))
     gauge("held_steps", "Global steps held for the ranks", m.get("held_steps"))
+    lanes = m.get("lanes")
+    if isinstance(lanes, list):
+        gauge("lane_held_steps", "Steps a lane holds for the ranks (lanes > 1): the window's, "
+              "those not yet released, and those made ahead",
+              {d.get("lane"): d.get("held_steps") for d in lanes if isinstance(d, dict)},
+              "lane")  # fmt: skip
     gauge(
         "lag_normal_max_steps",
         "Top of a rank's normal lag: the prefetch window plus one fetch",

@@ -944,6 +944,8 @@ class BatchServer:
                 "lag_normal_max": self.prefetch + LOOKAHEAD,
                 "global_step": self.window.produced,
                 "held_steps": len(self.window.steps),
+                # `lanes` > 1: where each lane runs and the steps it holds (pipeline/lanes.py)
+                "lanes": self.feed.lane_view() if hasattr(self.feed, "lane_view") else None,
                 "prefetch": self.prefetch,
                 "real_tokens": s.real_tokens,
                 "rows": s.rows,

@@ -410,10 +410,13 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
     them from the lanes, alone or joined across lanes (a world smaller than K, the short last
     step), and get exactly their slice of the laned sequence, to its end. Once every rank has
     asked past a step, the lanes let it go."""
+    import os
+
     import ray
 
     from pipeline.feed import rank_slice
-    from pipeline.lanes import LanedStep
+    from pipeline.lanes import IN_FLIGHT, STEPS_PER_CALL, LanedStep
+    from service.api import prometheus_text
     from service.server import BatchServer
     from tests.helpers import resolved
     from wire.arrays import from_ipc
@@ -425,6 +428,7 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
     assert 6 <= len(want) <= 40 and want[-1].num_rows < 8  # it ends in a short step
     for world in (1, 2, 4, 8):
         srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
+        views: list[list[dict]] = []
         try:
             pos, ended = [0] * world, set()
             while len(ended) < world:
@@ -449,7 +453,20 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
                             at += 1
                     assert at == pos[r] + reply.steps
                     pos[r] = at
+                    views.append(srv.metrics()["lanes"])
             assert pos == [len(want)] * world, (world, pos)
+            # Metrics say where each lane runs and what it holds: K live processes of their
+            # own, each holding at most the window, a fetch per rank and the steps made ahead.
+            bound = 3 + 2 * 2 + (IN_FLIGHT + 1) * STEPS_PER_CALL
+            assert all(len(v) == lanes for v in views)
+            assert max(d["held_steps"] for v in views for d in v) > 0
+            assert all(d["held_steps"] <= bound for v in views for d in v), views
+            pids = {d["pid"] for d in views[-1]}
+            assert len(pids) == lanes and os.getpid() not in pids
+            for pid in pids:
+                os.kill(pid, 0)  # alive
+            text = prometheus_text(srv.metrics(), srv.status())
+            assert text.count("tokenmill_lane_held_steps{lane=") == lanes
             first = srv.feed.lanes[0].handle  # every rank asked past step 0 long ago
             with pytest.raises(ray.exceptions.RayTaskError, match="no longer holds step 0"):
                 ray.get(first.take.options(concurrency_group="serve").remote([(0, 0, 1)], 0, 1))
