@@ -26,8 +26,10 @@ is the estimate. Then the same unpinned (every process on every core), for contr
 `--lanes K`: the same with `lanes: K`, each lane actor pinned to a core of its own (the last K
 cores) and the rest (the control actor, which holds no token, the consumers, Ray) to the cores
 before them; K consumers, rank k of K taking its rows straight from lane k. It prints each
-lane's rate and CPU busy, the control actor's busy, the sum, and how it adds up: the total ÷
-(K × the one-lane figure). Needs K + 1 cores to mean what it says; with fewer, the rest shares
+lane's rate and CPU busy, the sum of the lanes' rates ÷ busy (the K lanes' ceiling), the
+control actor's busy and the rate at which its core would be full, and how it adds up: the
+total ÷ (K × the one-lane figure). A lane reads its own share (`read.in_lanes`) where one lane
+takes blocks from Ray Data's tasks; `--reads-elsewhere` gives lanes Ray Data's tasks too. Needs K + 1 cores to mean what it says; with fewer, the rest shares
 the lanes' cores and the line says so.
 """
 
@@ -104,7 +106,8 @@ def _consume(actor, rank: int, world: int, steps: int, marks: list, lanes: bool)
         marks.append((time.monotonic(), step, tokens))
 
 
-def measure(source: Path, steps: int, repeat: int, pin: bool, lanes: int = 1) -> dict:
+def measure(source: Path, steps: int, repeat: int, pin: bool, lanes: int = 1,
+            in_lanes: bool = True) -> dict:  # fmt: skip
     """One service over `source`, `lanes` lanes, one consumer per lane, `steps` global steps.
 
     `lanes` 1: the service's actor is the process pinned to the last core. `lanes` K > 1: the
@@ -125,7 +128,7 @@ def measure(source: Path, steps: int, repeat: int, pin: bool, lanes: int = 1) ->
         os.sched_setaffinity(0, rest)  # Ray, started now, inherits it
     cfg = parse_config({
         "seed": 1, "seq_len": SEQ_LEN, "global_batch_size": BATCH, "shuffle": {"window": 64},
-        "packing": {"mode": "concat"}, "lanes": lanes,
+        "packing": {"mode": "concat"}, "lanes": lanes, "read": {"in_lanes": in_lanes},
         "streams": {"code": {"paths": [str(source)], "format": "export", "repeat": repeat}},
     })  # fmt: skip
     ray.init(address="local", num_cpus=max(1, len(rest) if pin else len(cores)),
@@ -189,6 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--repeat", type=int, default=40, help="passes over the pre-tokenized input")
     ap.add_argument("--lanes", default="1", help="comma-separated lane counts (each divides 32)")
+    ap.add_argument("--reads-elsewhere", action="store_true", help="lanes take their blocks "
+                    "from Ray Data's tasks (read.in_lanes: false), as one lane does, instead of "
+                    "reading their share themselves")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     counts = [int(k) for k in args.lanes.split(",")]
@@ -198,13 +204,14 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-ceiling-"))
     try:
         source = pretokenized(work)
-        rows = [measure(source, args.steps, args.repeat, pin, k)
+        rows = [measure(source, args.steps, args.repeat, pin, k, not args.reads_elsewhere)
                 for k in counts for pin in (True, False)]  # fmt: skip
     finally:
         subprocess.run(["rm", "-rf", str(work)], check=False)
     base = {r["pinned"]: r["steady_tokens_per_s"] for r in rows if r["lanes"] == 1}
     head = (f"{'lanes':>5}  {'placement':<34}{'served tok/s':>14}{'x K x 1 lane':>14}"
-            f"{'per lane tok/s':>22}{'lane CPU busy':>18}{'control busy':>14}{'÷ busy':>14}")  # fmt: skip
+            f"{'per lane tok/s':>22}{'lane CPU busy':>18}{'÷ busy':>14}{'control busy':>14}"
+            f"{'÷ busy':>14}")  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -218,10 +225,14 @@ def main(argv=None) -> int:
         adds = r["steady_tokens_per_s"] / (k * base[r["pinned"]]) if r["pinned"] in base else None
         per = "/".join(f"{x / 1e6:.1f}M" for x in r["per_lane_tokens_per_s"])
         busy = "/".join(f"{b:.2f}" for b in r["lane_busy"])
-        control = "-" if r["control_busy"] is None else f"{r['control_busy']:.2f}"
+        c = r["control_busy"]
+        control = "-" if c is None else f"{c:.2f}"
+        r["control_ceiling"] = r["steady_tokens_per_s"] / c if c else None
+        cc = r["control_ceiling"]
         print(f"{k:>5}  {what:<34}{r['steady_tokens_per_s']:>14,.0f}"
-              f"{'-' if adds is None else f'{adds:.2f}':>14}{per:>22}{busy:>18}{control:>14}"
-              f"{r['projected_ceiling']:>14,.0f}")  # fmt: skip
+              f"{'-' if adds is None else f'{adds:.2f}':>14}{per:>22}{busy:>18}"
+              f"{r['projected_ceiling']:>14,.0f}{control:>14}"
+              f"{'-' if cc is None else f'{cc:,.0f}':>14}")  # fmt: skip
         r["adds_up"] = adds
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

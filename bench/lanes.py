@@ -1,6 +1,6 @@
 """Lanes against cores: the export's rate with the whole process tree confined to N cores.
 
-    python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 4] [--world-size 8] [--json PATH]
+    python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
     python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--json PATH]
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
@@ -92,6 +92,7 @@ def served(config: dict, work: Path, cores: int, tag: str, steps: int) -> dict:
     d = json.loads(out.read_text())
     steady, cpu = d["tokens_per_s"]["steady"], d["cpu_steady"]["served"]
     return {"served": steady["served"], "export": steady["export"], "ratio": steady["ratio"],
+            "served_from_start": d["tokens_per_s"]["from_start"]["served"],
             "actor_ms_per_step": cpu["actor_ms_per_step"],
             "ranks_ms_per_step": cpu["ranks_ms_per_step"], "machine_busy": cpu["machine_busy"]}  # fmt: skip
 
@@ -109,14 +110,15 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
                          **served(cfg | {"lanes": lanes}, work, n, f"served-{kind}-{n}", steps)})  # fmt: skip
     base = {r["input"]: r["served"] for r in rows if r["cores"] == 1}
     head = (f"{'input':<14}{'cores':>6}{'lanes':>6}{'served tok/s':>14}{'÷ N×1-core':>12}"
-            f"{'÷ export':>10}{'actor ms/step':>15}{'ranks ms/step':>15}{'busy':>6}")  # fmt: skip
+            f"{'from start':>12}{'÷ export':>10}{'actor ms/step':>15}{'ranks ms/step':>15}"
+            f"{'busy':>6}")  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in rows:
         r["scaling"] = r["served"] / (r["cores"] * base[r["input"]]) if r["input"] in base else None
         scaling = "" if r["scaling"] is None else f"{r['scaling']:.2f}"
         print(f"{r['input']:<14}{r['cores']:>6}{r['lanes']:>6}{r['served']:>14,.0f}{scaling:>12}"
-              f"{r['ratio']:>10.2f}{r['actor_ms_per_step']:>15.1f}{r['ranks_ms_per_step']:>15.1f}"
+              f"{r['served_from_start']:>12,.0f}{r['ratio']:>10.2f}{r['actor_ms_per_step']:>15.1f}{r['ranks_ms_per_step']:>15.1f}"
               f"{r['machine_busy']:>6.0%}")  # fmt: skip
     need = 1024 * 50_000
     for kind in inputs:
@@ -135,7 +137,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", default=None, help="comma-separated (default: 1, 2, 4, … up "
                     "to this process's cores)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--epochs", type=int, default=4, help="passes over code.jsonl")
+    # 24 passes: ~1,000 steps, a steady half of 10 s or more at these rates (4 passes gave
+    # ~170 steps, a steady half of ~2 s just after the lanes' start).
+    ap.add_argument("--epochs", type=int, default=24, help="passes over code.jsonl")
     ap.add_argument("--world-size", type=int, default=8, help="ranks each export writes for")
     ap.add_argument(
         "--served",
