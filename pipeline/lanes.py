@@ -69,7 +69,6 @@ from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describ
 from wire.arrays import from_ipc, to_ipc, view
 from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, rank_meta, runs_of
 from wire.layout import compact, step_path, write_step
-from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
 
 STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane)
 # Chunks asked for ahead of the one being joined (actors only). With one, a lane idled for a
@@ -78,7 +77,6 @@ STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane)
 # 5.7M tokens/s with 1, 7.7M with 2, 10.1M with 3, 12.2M with 4 (8 steps x 2: 10.6M). A
 # weight change lands after the steps asked: up to IN_FLIGHT x STEPS_PER_CALL steps ahead.
 IN_FLIGHT = 4
-RANK_META = (META_RANK, META_WORLD_SIZE, META_STEP_ROWS)  # what a lane's `take` adds
 PENDING = ".lane"  # a step file a lane wrote, until the export takes its step
 
 
@@ -148,14 +146,8 @@ class LanedStep:
         """The whole step, joined from its lanes' parts (this process touches every row)."""
         import ray
 
-        calls = [h.take.options(concurrency_group=TAKE_GROUP).remote([(self.step, 0, n)], 0, 1)
-                 for h, n in zip(self.lanes, self.rows, strict=True)]  # fmt: skip
-        parts = []
-        for c in calls:  # each lane's part, with the metadata it was made with
-            part = from_ipc(ray.get(c, timeout=timeout_s)[0][0])
-            meta = {k: v for k, v in (part.schema.metadata or {}).items() if k not in RANK_META}
-            parts.append(part.replace_schema_metadata(meta))
-        return join_parts(parts)
+        calls = [h.part.options(concurrency_group=TAKE_GROUP).remote(self.step) for h in self.lanes]
+        return join_parts([from_ipc(ray.get(c, timeout=timeout_s)) for c in calls])
 
 
 def where(steps: list[LanedStep], rank: int, world_size: int, global_batch_size: int
@@ -254,15 +246,23 @@ class LaneWorker:
         `world_size`: runs of one schema (wire/lanes.py `runs_of`), as Arrow IPC. Runs on the
         `serve` threads, beside the thread that makes steps."""
         with self._held_lock:
-            missing = [s for s, _, _ in parts if s not in self.held]
-            if missing:
-                held = f"{min(self.held)}..{max(self.held)}" if self.held else "none"
-                raise LookupError(
-                    f"lane {self.lane} no longer holds step {missing[0]} (it holds {held}): "
-                    "every rank had it, or the rank was lost; resume from a saved state"
-                )
-            pieces = [self.held[s].slice(lo, hi - lo) for s, lo, hi in parts]
+            pieces = [self._held(s).slice(lo, hi - lo) for s, lo, hi in parts]
         return [(to_ipc(run), n) for run, n in runs_of(pieces, rank, world_size)]
+
+    def part(self, step: int) -> bytes:
+        """This lane's part of held step `step` as it was made (Arrow IPC): `LanedStep.whole`."""
+        with self._held_lock:
+            return to_ipc(self._held(step))
+
+    def _held(self, step: int) -> pa.RecordBatch:
+        """Held step `step` (under `_held_lock`), or a LookupError naming what is held."""
+        if step not in self.held:
+            held = f"{min(self.held)}..{max(self.held)}" if self.held else "none"
+            raise LookupError(
+                f"lane {self.lane} no longer holds step {step} (it holds {held}): "
+                "every rank had it, or the rank was lost; resume from a saved state"
+            )
+        return self.held[step]
 
     def set_weights(self, weights: dict[str, float], step: int, source: str = "api") -> int:
         return self.feed.set_weights(weights, step, source)
