@@ -1,7 +1,7 @@
 """Lanes against cores: the export's rate with the whole process tree confined to N cores.
 
     python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
-    python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--json PATH]
+    python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--served-repeats 3] [--json PATH]
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
 export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
@@ -97,7 +97,8 @@ def served(config: dict, work: Path, cores: int, tag: str, steps: int) -> dict:
             "ranks_ms_per_step": cpu["ranks_ms_per_step"], "machine_busy": cpu["machine_busy"]}  # fmt: skip
 
 
-def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str | None) -> int:
+def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str | None,
+               repeats: int = 1) -> int:  # fmt: skip
     """Served tokens/s against cores: at N cores, `lanes` N (the documented rule: a lane per
     core, K dividing G), and the ratio to N x the 1-core, 1-lane served rate; a projection of
     the data cores that feed 1,024 GPUs at 50k tokens/s each, at the per-core rate of the
@@ -106,8 +107,12 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
     for kind, cfg in inputs.items():
         for n in cores:
             lanes = max(k for k in range(1, n + 1) if BATCH % k == 0)
-            rows.append({"input": kind, "cores": n, "lanes": lanes,
-                         **served(cfg | {"lanes": lanes}, work, n, f"served-{kind}-{n}", steps)})  # fmt: skip
+            runs = [served(cfg | {"lanes": lanes}, work, n, f"served-{kind}-{n}-{i}", steps)
+                    for i in range(repeats)]  # fmt: skip
+            # The run of the median served rate, whole (its figures belong together).
+            mid = sorted(runs, key=lambda r: r["served"])[len(runs) // 2]
+            rows.append({"input": kind, "cores": n, "lanes": lanes, **mid,
+                         "runs_served": [r["served"] for r in runs]})  # fmt: skip
     base = {r["input"]: r["served"] for r in rows if r["cores"] == 1}
     head = (f"{'input':<14}{'cores':>6}{'lanes':>6}{'served tok/s':>14}{'÷ N×1-core':>12}"
             f"{'from start':>12}{'÷ export':>10}{'actor ms/step':>15}{'ranks ms/step':>15}"
@@ -118,8 +123,13 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
         r["scaling"] = r["served"] / (r["cores"] * base[r["input"]]) if r["input"] in base else None
         scaling = "" if r["scaling"] is None else f"{r['scaling']:.2f}"
         print(f"{r['input']:<14}{r['cores']:>6}{r['lanes']:>6}{r['served']:>14,.0f}{scaling:>12}"
-              f"{r['served_from_start']:>12,.0f}{r['ratio']:>10.2f}{r['actor_ms_per_step']:>15.1f}{r['ranks_ms_per_step']:>15.1f}"
+              f"{r['served_from_start']:>12,.0f}{r['ratio']:>10.2f}"
+              f"{r['actor_ms_per_step']:>15.1f}{r['ranks_ms_per_step']:>15.1f}"
               f"{r['machine_busy']:>6.0%}")  # fmt: skip
+    if repeats > 1:
+        for r in rows:
+            each = ", ".join(f"{x / 1e6:.2f}M" for x in r["runs_served"])
+            print(f"{r['input']} at {r['cores']} cores, every run: {each}")
     need = 1024 * 50_000
     for kind in inputs:
         top = max((r for r in rows if r["input"] == kind), key=lambda r: r["cores"])
@@ -147,6 +157,8 @@ def main(argv=None) -> int:
         help="served to 8 model-less ranks (bench.serve_ranks) instead of exports",
     )
     ap.add_argument("--steps", type=int, default=1000, help="global steps served (--served)")
+    ap.add_argument("--served-repeats", type=int, default=1, help="runs per point (--served): "
+                    "the run of the median served rate is reported, every run's rate beside it")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from service.cluster import usable_cpus
@@ -171,7 +183,7 @@ def main(argv=None) -> int:
         forever = {k: c | {"streams": {"code": c["streams"]["code"] | {"repeat": 1000}}}
                    for k, c in (("text", text), ("pre-tokenized", pretok))}  # fmt: skip
         try:
-            return run_served(forever, cores, work, args.steps, args.json)
+            return run_served(forever, cores, work, args.steps, args.json, args.served_repeats)
         finally:
             os.system(f"rm -rf {work}")
     fast = fastokens_rate(corpus_texts(corpus, 4 << 20))
