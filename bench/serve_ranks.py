@@ -432,10 +432,16 @@ def main(argv=None) -> int:
     name = f"tokenmill-bench-{os.getpid()}"
     # Rank processes import Ray and torch while this process starts Ray.
     ranks = RankThreads(name, steps) if args.threads else RankProcesses(name, steps, work)
-    try:
+    from service.cluster import connect, shutdown
+
+    print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] imports done; starting Ray",
+          file=sys.stderr, flush=True)  # fmt: skip
+    started = connect(None, object_store_memory=OBJECT_STORE_BYTES)
+    try:  # the figures are printed and written before Ray goes down
         return _run(args, steps, work, name, ranks, t_start)
     finally:
-        ranks.close()
+        ranks.close()  # before Ray goes
+        shutdown(started)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -444,7 +450,6 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
 
     from bench.resume import warm_up
     from pipeline.read.resolve import load_config, parse_config
-    from service.cluster import connect, shutdown
     from service.demo_corpus import build_demo_corpus
     from service.export import run_export
     from service.serve import _close, start_server
@@ -460,8 +465,6 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] {what}", file=sys.stderr,
               flush=True)  # fmt: skip
 
-    log("imports done; starting Ray")
-    started = connect(None, object_store_memory=OBJECT_STORE_BYTES)
     actor = None
     try:
         cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -503,10 +506,8 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
     finally:
         if actor is not None:
             _close(actor)
-        ranks.close()  # before Ray goes
+        ranks.close()
         log("ranks gone")
-        shutdown(started)
-        log("Ray down")
 
     for r in (reports, again):
         if r[-1][1] != steps:
