@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.feed import Feed
-from pipeline.read.reading import iter_blocks_local
+from pipeline.read.reading import iter_blocks_local, iter_blocks_ray
 from pipeline.read.resolve import parse_config
 from service.export import run_export
 from service.serve import start_server
@@ -60,7 +60,9 @@ def test_killed_tokenization_worker_changes_nothing(ray_cluster, tmp_path):
 
     t = threading.Thread(target=killer)
     t.start()
-    run_export(cfg, tmp_path / "ray")
+    # Ray Data's tasks alone, no head start: with one, this process may tokenize the whole
+    # small corpus before a worker starts, and no worker is there to kill (a CI run saw it).
+    run_export(cfg, tmp_path / "ray", executor=iter_blocks_ray)
     t.join()
     assert killed, "no tokenization worker was caught running"
     clean = sorted(p.name for p in (tmp_path / "clean").glob("step-*"))
