@@ -487,7 +487,11 @@ def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
     from tests.helpers import resolved
     from wire.lanes import LaneGone
 
-    srv = BatchServer(config(small, 2).model_dump(mode="json"), prefetch=3)
+    # Read many times over: the lanes cannot have made the whole sequence (16 steps ahead of
+    # what is handed out) before the kill, so the producer meets the dead lane (a CI run saw
+    # the short corpus made to its end first, and nothing left to fail).
+    forever = {n: s | {"repeat": 100} for n, s in small.items()}
+    srv = BatchServer(config(forever, 2).model_dump(mode="json"), prefetch=3)
     try:
         assert resolved(srv.get(0, 1, 0, 30.0), 0, 1).runs
         while not (reply := srv.get(0, 1, 1, 2.0)).ready:
