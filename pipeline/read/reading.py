@@ -317,30 +317,40 @@ def _pretokenized(rows, values, stream, tok, errors, lens, backends, flats, loss
     BOS/EOS as a text document would. A document with an id outside the tokenizer's vocabulary
     is a bad record (a corpus tokenized for another model).
     """
-    vocab = tok.tokenizer.get_vocab_size(with_added_tokens=True)
+    vocab = tok.vocab_size
     raw = stream.tokens_field is not None
     bos = tok.bos_id if raw and tok.add_bos else None
     eos = tok.eos_id if raw and tok.add_eos else None
-    kept: list[int] = []
-    docs: list[np.ndarray] = []
-    for row, (toks, loss) in zip(rows, values, strict=True):
-        top = int(toks.max())
-        if top >= vocab:
-            errors[row] = f"token id {top} is outside the tokenizer's vocabulary (size {vocab})"
-            continue
-        kept.append(row)
-        docs.append(toks)
-        if losses is not None:
-            losses.append(loss)
-    if not docs:
+    if not rows:
         return
+    docs = [toks for toks, _ in values]
+    sizes = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
-    flat, offsets = _with_specials(np.concatenate(docs), offsets, bos, eos)
-    where = np.asarray(kept, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    flat = np.concatenate(docs)
+    # Every document's largest id at once (none is empty: `validate_tokens`).
+    tops = np.maximum.reduceat(flat, offsets[:-1])
+    kept = np.asarray(rows, dtype=np.int64)
+    bad = tops >= vocab
+    if bad.any():
+        for i in np.flatnonzero(bad).tolist():
+            errors[rows[i]] = (
+                f"token id {int(tops[i])} is outside the tokenizer's vocabulary (size {vocab})"
+            )
+        good = np.flatnonzero(~bad).tolist()
+        if not good:
+            return
+        docs, kept = [docs[i] for i in good], kept[good]
+        values = [values[i] for i in good]
+        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+        np.cumsum(sizes[good], out=offsets[1:])
+        flat = np.concatenate(docs)
+    if losses is not None:
+        losses.extend(loss for _, loss in values)
+    flat, offsets = _with_specials(flat, offsets, bos, eos)
     flats.append(flat)
-    lens[where] = np.diff(offsets)
-    backends[where] = BACKEND_NONE
+    lens[kept] = np.diff(offsets)
+    backends[kept] = BACKEND_NONE
 
 
 def read_tokenize_batch(batch: pa.Table, *, stream: dict, tokenizer: dict) -> pa.Table:

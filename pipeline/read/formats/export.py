@@ -129,8 +129,10 @@ def _read_steps(piece: Piece, access: Access):
                 raise PieceError("not a tokenmill export step file: no column 'labels'")
             ids = table.column("input_ids")
             L = ids.type.list_size
-            ids = ids.values.to_numpy().reshape(-1, L)
-            labels = table.column("labels").values.to_numpy().reshape(-1, L)
+            ids = ids.values.to_numpy().reshape(-1, L).astype(np.int32, copy=False)
+            # The loss flags of the whole file at once; each segment below is a view of both.
+            flags = (table.column("labels").values.to_numpy() != -100).view(np.int8)
+            flags = flags.reshape(-1, L)
             lens = table.column("seq_lens").to_pylist()
             docs = table.column("doc_id").to_pylist()
             streams = table.column("stream").to_pylist()
@@ -143,8 +145,7 @@ def _read_steps(piece: Piece, access: Access):
     for r in range(len(lens)):
         a = 0
         for n, name, doc, off in zip(lens[r], streams[r], docs[r], offsets[r], strict=True):
-            tokens = ids[r, a : a + n]
-            loss = (labels[r, a : a + n] != -100).astype(np.int8)
+            tokens, loss = ids[r, a : a + n], flags[r, a : a + n]
             a += n
             if pending is not None and last == (name, doc, off):
                 pending = (np.concatenate([pending[0], tokens]), np.concatenate([pending[1], loss]))
@@ -152,7 +153,7 @@ def _read_steps(piece: Piece, access: Access):
                 if pending is not None:
                     yield piece.first_record + record, pending, None
                     record += 1
-                pending = (tokens.astype(np.int32), loss)
+                pending = (tokens, loss)
             last = (name, doc, off + n)
     if pending is not None:
         yield piece.first_record + record, pending, None
