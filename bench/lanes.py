@@ -2,6 +2,7 @@
 
     python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
     python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--served-repeats 3] [--json PATH]
+    (either: [--inputs text,pre-tokenized])
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
 export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
@@ -159,8 +160,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1000, help="global steps served (--served)")
     ap.add_argument("--served-repeats", type=int, default=1, help="runs per point (--served): "
                     "the run of the median served rate is reported, every run's rate beside it")  # fmt: skip
+    ap.add_argument("--inputs", default="text,pre-tokenized",
+                    help="comma-separated: text, pre-tokenized (default both)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    kinds = args.inputs.split(",")
+    if unknown := set(kinds) - {"text", "pre-tokenized"}:
+        raise SystemExit(f"--inputs: unknown {sorted(unknown)}; choose text, pre-tokenized")
     from service.cluster import usable_cpus
     from service.demo_corpus import build_demo_corpus
 
@@ -181,7 +187,7 @@ def main(argv=None) -> int:
                    check=True, capture_output=True)  # fmt: skip
     if args.served:  # read as often as the steps need
         forever = {k: c | {"streams": {"code": c["streams"]["code"] | {"repeat": 1000}}}
-                   for k, c in (("text", text), ("pre-tokenized", pretok))}  # fmt: skip
+                   for k, c in (("text", text), ("pre-tokenized", pretok)) if k in kinds}  # fmt: skip
         try:
             return run_served(forever, cores, work, args.steps, args.json, args.served_repeats)
         finally:
@@ -189,6 +195,8 @@ def main(argv=None) -> int:
     fast = fastokens_rate(corpus_texts(corpus, 4 << 20))
     rows = []
     for kind, cfg in (("text", text), ("pre-tokenized", pretok)):
+        if kind not in kinds:
+            continue
         for n in cores:
             for lanes in sorted({1, n}):
                 if BATCH % lanes:
