@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from pipeline.config import ConfigError
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
+from pipeline.read.sources import plan_pieces, read_piece
 from service.export import run_export
 from tests.conftest import stdlib_texts, write_jsonl
 from wire.layout import read_step
@@ -85,6 +87,31 @@ def test_reexporting_an_export_reproduces_its_rows(tmp_path, fmt):
     # Joined: fewer documents than the segments they were cut into.
     segments = sum(len(r["seq_lens"]) for r in want)
     assert s2.streams["tokens"].docs_read < segments
+
+
+def test_an_export_without_labels_reads_back_with_first_tokens_masked(tmp_path):
+    """A compact export of text only stores no `labels` (every one is derivable): read back as
+    chat (loss kept), every token but each segment's first has loss, and re-exported the rows
+    are the same, labels included."""
+    src = _corpus(tmp_path)
+    code = {"seq_len": SEQ, "global_batch_size": 4, "packing": {"mode": "concat"},
+            "streams": {"code": {"paths": [str(src / "code.jsonl")]}}}  # fmt: skip
+    a = tmp_path / "a"
+    run_export(parse_config(code), a, executor=iter_blocks_local)
+    assert all("labels" not in pq.read_schema(f).names for f in a.glob("step-*.parquet"))
+    again = code | {"shuffle": {"files": False, "window": 1},
+                    "streams": {"t": {"kind": "chat", "format": "export", "paths": [str(a)]}}}  # fmt: skip
+    b = tmp_path / "b"
+    s2 = run_export(parse_config(again), b, executor=iter_blocks_local)
+    assert s2.tokenizer_backend["pretokenized"] == s2.real_tokens > 0
+    # Read as it is: in each file, one token without loss per segment, each first of one.
+    for f in sorted(a.glob("step-*.parquet"))[:3]:
+        (piece,) = plan_pieces([str(f)], "export", 1 << 20)[0]
+        docs = [v for _, v, err in read_piece(piece, "tokens") if err is None]
+        segments = sum(len(n) for n in pq.read_table(f).column("seq_lens").to_pylist())
+        assert all(loss[0] == 0 for _, loss in docs)
+        assert sum(int((loss == 0).sum()) for _, loss in docs) == segments
+    assert _rows(b) == _rows(a)
 
 
 def test_export_source_rejects_what_is_not_an_export(tmp_path):

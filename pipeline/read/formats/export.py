@@ -111,7 +111,7 @@ def _read_steps(piece: Piece, access: Access):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from wire.layout import expand_table
+    from wire.layout import is_compact
 
     f = open_or_fail(piece.path, access)
     with f:
@@ -124,15 +124,19 @@ def _read_steps(piece: Piece, access: Access):
             missing = [c for c in need if c not in table.column_names]
             if missing:
                 raise PieceError(f"not a tokenmill export step file: no column {missing[0]!r}")
-            table = expand_table(table)  # either layout (wire/layout.py)
-            if "labels" not in table.schema.names:
+            # Either layout (wire/layout.py), read as stored: only the loss flags are needed of
+            # what a full batch derives, so none of the derived columns is built here.
+            if "labels" not in table.column_names and not is_compact(table):
                 raise PieceError("not a tokenmill export step file: no column 'labels'")
-            ids = table.column("input_ids")
-            L = ids.type.list_size
-            ids = ids.values.to_numpy().reshape(-1, L).astype(np.int32, copy=False)
-            # The loss flags of the whole file at once; each segment below is a view of both.
-            flags = (table.column("labels").values.to_numpy() != -100).view(np.int8)
-            flags = flags.reshape(-1, L)
+            L = table.schema.field("input_ids").type.list_size
+            ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
+            ids = ids.reshape(-1, L).astype(np.int32, copy=False)
+            derived = "labels" not in table.column_names
+            if derived:  # -100 only on each segment's first token (and padding): set below
+                flags = np.ones(ids.shape, dtype=np.int8)
+            else:
+                labels = table.column("labels").combine_chunks().flatten().to_numpy()
+                flags = (labels != -100).view(np.int8).reshape(-1, L)
             lens = table.column("seq_lens").to_pylist()
             docs = table.column("doc_id").to_pylist()
             streams = table.column("stream").to_pylist()
@@ -145,6 +149,8 @@ def _read_steps(piece: Piece, access: Access):
     for r in range(len(lens)):
         a = 0
         for n, name, doc, off in zip(lens[r], streams[r], docs[r], offsets[r], strict=True):
+            if derived:
+                flags[r, a] = 0  # the segment's first token has no loss
             tokens, loss = ids[r, a : a + n], flags[r, a : a + n]
             a += n
             if pending is not None and last == (name, doc, off):
