@@ -323,28 +323,25 @@ def _pretokenized(rows, values, stream, tok, errors, lens, backends, flats, loss
     eos = tok.eos_id if raw and tok.add_eos else None
     if not rows:
         return
-    docs = [toks for toks, _ in values]
-    sizes = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    flat = np.concatenate(docs)
+    sizes = np.fromiter((len(t) for t, _ in values), dtype=np.int64, count=len(values))
+    starts = np.zeros(len(sizes), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=starts[1:])
+    flat = np.concatenate([t for t, _ in values])
     # Every document's largest id at once (none is empty: `validate_tokens`).
-    tops = np.maximum.reduceat(flat, offsets[:-1])
+    tops = np.maximum.reduceat(flat, starts)
+    good = tops < vocab
     kept = np.asarray(rows, dtype=np.int64)
-    bad = tops >= vocab
-    if bad.any():
-        for i in np.flatnonzero(bad).tolist():
+    if not good.all():
+        for i in np.flatnonzero(~good).tolist():
             errors[rows[i]] = (
                 f"token id {int(tops[i])} is outside the tokenizer's vocabulary (size {vocab})"
             )
-        good = np.flatnonzero(~bad).tolist()
-        if not good:
+        flat, sizes, kept = flat[np.repeat(good, sizes)], sizes[good], kept[good]
+        values = [v for v, g in zip(values, good.tolist(), strict=True) if g]
+        if not values:
             return
-        docs, kept = [docs[i] for i in good], kept[good]
-        values = [values[i] for i in good]
-        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-        np.cumsum(sizes[good], out=offsets[1:])
-        flat = np.concatenate(docs)
+    offsets = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
     if losses is not None:
         losses.extend(loss for _, loss in values)
     flat, offsets = _with_specials(flat, offsets, bos, eos)

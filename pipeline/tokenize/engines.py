@@ -439,9 +439,9 @@ class LoadedTokenizer:
     # The tokenizer.json `tokenizer` was read from unchanged (but for the flag), with its
     # (size, mtime_ns) then: the glue copy is read from it again (`with_specials`).
     source: tuple[Path, tuple[int, int]] | None = None
-    # Ids in the vocabulary, added tokens included: asked once at load. (`Tokenizer.
-    # get_vocab_size` builds the whole vocabulary each call: ~40 ms for a 100k vocabulary, which
-    # was 85% of reading a pre-tokenized step file when it was asked per unit.)
+    # Ids in the vocabulary, added tokens included: asked once at load (`Tokenizer.
+    # get_vocab_size` builds the whole vocabulary on each call, ~40 ms for 100k ids: too slow
+    # to ask per unit read).
     vocab_size: int = 0
     # Glue ids by text (`encode_glue`), this process's: filled from the glue file and by
     # encoding what it lacks; written under _GLUE_IDS_LOCK only.

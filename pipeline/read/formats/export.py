@@ -126,12 +126,12 @@ def _read_steps(piece: Piece, access: Access):
                 raise PieceError(f"not a tokenmill export step file: no column {missing[0]!r}")
             # Either layout (wire/layout.py), read as stored: only the loss flags are needed of
             # what a full batch derives, so none of the derived columns is built here.
-            if "labels" not in table.column_names and not is_compact(table):
+            derived = "labels" not in table.column_names
+            if derived and not is_compact(table):
                 raise PieceError("not a tokenmill export step file: no column 'labels'")
             L = table.schema.field("input_ids").type.list_size
             ids = table.column("input_ids").combine_chunks().flatten().to_numpy()
             ids = ids.reshape(-1, L).astype(np.int32, copy=False)
-            derived = "labels" not in table.column_names
             if derived:  # -100 only on each segment's first token (and padding): set below
                 flags = np.ones(ids.shape, dtype=np.int8)
             else:
@@ -149,7 +149,7 @@ def _read_steps(piece: Piece, access: Access):
     for r in range(len(lens)):
         a = 0
         for n, name, doc, off in zip(lens[r], streams[r], docs[r], offsets[r], strict=True):
-            if derived:
+            if derived and n:
                 flags[r, a] = 0  # the segment's first token has no loss
             tokens, loss = ids[r, a : a + n], flags[r, a : a + n]
             a += n
