@@ -1,7 +1,8 @@
 """Lanes against cores: the export's rate with the whole process tree confined to N cores.
 
     python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
-    python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--served-repeats 3] [--json PATH]
+    python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--steps-per-core S]
+        [--served-repeats 3] [--json PATH]
     (either: [--inputs text,pre-tokenized])
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
@@ -99,20 +100,30 @@ def served(config: dict, work: Path, cores: int, tag: str, steps: int) -> dict:
 
 
 def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str | None,
-               repeats: int = 1) -> int:  # fmt: skip
+               repeats: int = 1, steps_per_core: int = 0) -> int:  # fmt: skip
     """Served tokens/s against cores: at N cores, `lanes` N (the documented rule: a lane per
     core, K dividing G), and the ratio to N x the 1-core, 1-lane served rate; a projection of
     the data cores that feed 1,024 GPUs at 50k tokens/s each, at the per-core rate of the
-    largest N measured (a model: linear past it, which only a larger machine can check)."""
+    largest N measured (a model: linear past it, which only a larger machine can check).
+    `steps_per_core`: serve max(steps, that x N) steps at N cores, so that the steady half
+    lasts about as long at every N (a fixed count is over in ~2 s at 16 cores)."""
     rows = []
     for kind, cfg in inputs.items():
         for n in cores:
             lanes = max(k for k in range(1, n + 1) if BATCH % k == 0)
-            runs = [served(cfg | {"lanes": lanes}, work, n, f"served-{kind}-{n}-{i}", steps)
-                    for i in range(repeats)]  # fmt: skip
+            n_steps = max(steps, steps_per_core * n)
+            runs = []
+            for i in range(repeats):
+                runs.append(served(cfg | {"lanes": lanes}, work, n, f"served-{kind}-{n}-{i}",
+                                   n_steps))  # fmt: skip
+                r = runs[-1]  # each run as it ends: a long bench cut short keeps its points
+                print(f"  {kind}, {n} cores, {lanes} lanes, {n_steps} steps: served "
+                      f"{r['served'] / 1e6:.2f}M tokens/s, export {r['export'] / 1e6:.2f}M, "
+                      f"actor {r['actor_ms_per_step']:.1f} ms/step, ranks "
+                      f"{r['ranks_ms_per_step']:.1f} ms/step", flush=True)  # fmt: skip
             # The run of the median served rate, whole (its figures belong together).
             mid = sorted(runs, key=lambda r: r["served"])[len(runs) // 2]
-            rows.append({"input": kind, "cores": n, "lanes": lanes, **mid,
+            rows.append({"input": kind, "cores": n, "lanes": lanes, "steps": n_steps, **mid,
                          "runs_served": [r["served"] for r in runs]})  # fmt: skip
     base = {r["input"]: r["served"] for r in rows if r["cores"] == 1}
     head = (f"{'input':<14}{'cores':>6}{'lanes':>6}{'served tok/s':>14}{'÷ N×1-core':>12}"
@@ -158,6 +169,8 @@ def main(argv=None) -> int:
         help="served to 8 model-less ranks (bench.serve_ranks) instead of exports",
     )
     ap.add_argument("--steps", type=int, default=1000, help="global steps served (--served)")
+    ap.add_argument("--steps-per-core", type=int, default=0, help="(--served) at N cores serve "
+                    "max(--steps, this x N) steps")  # fmt: skip
     ap.add_argument("--served-repeats", type=int, default=1, help="runs per point (--served): "
                     "the run of the median served rate is reported, every run's rate beside it")  # fmt: skip
     ap.add_argument("--inputs", default="text,pre-tokenized",
@@ -189,7 +202,8 @@ def main(argv=None) -> int:
         forever = {k: c | {"streams": {"code": c["streams"]["code"] | {"repeat": 1000}}}
                    for k, c in (("text", text), ("pre-tokenized", pretok)) if k in kinds}  # fmt: skip
         try:
-            return run_served(forever, cores, work, args.steps, args.json, args.served_repeats)
+            return run_served(forever, cores, work, args.steps, args.json, args.served_repeats,
+                              args.steps_per_core)  # fmt: skip
         finally:
             os.system(f"rm -rf {work}")
     fast = fastokens_rate(corpus_texts(corpus, 4 << 20))
