@@ -26,6 +26,7 @@ import pyarrow as pa
 
 from pipeline.config import Config
 from pipeline.read.access import WHOLE_FILE, Access, Piece
+from pipeline.read.chain import EpochChain, epochs_per_chain
 from pipeline.read.reading import Executor, Unit, group_units
 from pipeline.read.sources import data_files, plan_pieces
 from pipeline.stages.shuffle import Interleave, PieceRows, by_piece, file_order, piece_order
@@ -177,7 +178,9 @@ class DocSource:
         self._pieces: list[list[Piece]] | None = None
         self._files: list[str] | None = None
         self._early: Iterator[pa.Table] | None = None
-        self._next_epoch: tuple[int, Iterator[pa.Table]] | None = None
+        # The read of the epochs after the current one (a chain: chain.py), started ahead.
+        self._ahead: EpochChain | None = None
+        self._chain: EpochChain | None = None  # the chain the current epoch came from
         self._current: Iterator[pa.Table] | None = None
         self._rows: Iterator[Doc] | None = None  # the current epoch's good documents
         self.start_pos = self.pos = SourcePos()
@@ -249,18 +252,18 @@ class DocSource:
 
     def close(self) -> None:
         """Stop every read this stream started (current, early and read-ahead executions)."""
-        for blocks in (self._current, self._early, self._next_epoch and self._next_epoch[1]):
+        for blocks in (self._current, self._early, self._chain, self._ahead):
             close = getattr(blocks, "close", None)
             if close is not None:
                 close()
-        self._current = self._early = self._next_epoch = None
+        self._current = self._early = self._chain = self._ahead = None
 
     def _blocks(self, epoch: int, unit: int) -> Iterator[pa.Table]:
         c = self.start_pos
         if self._early is not None and (epoch, unit) == (c.epoch, c.unit):
             blocks, self._early = self._early, None
-        elif self._next_epoch is not None and self._next_epoch[0] == epoch and unit == 0:
-            blocks, self._next_epoch = self._next_epoch[1], None
+        elif unit == 0 and (chained := self._chained(epoch)) is not None:
+            blocks = chained
         else:
             blocks = self.executor(self.units(epoch)[unit:], self.stream, self.cfg.tokenizer)
         self._read_ahead(epoch)
@@ -271,24 +274,44 @@ class DocSource:
         """The blocks of `units`, the read of `epoch` from where the stream stands."""
         if self._early is not None and epoch == self.start_pos.epoch:
             blocks, self._early = self._early, None
-        elif self._next_epoch is not None and self._next_epoch[0] == epoch:
-            blocks, self._next_epoch = self._next_epoch[1], None
+        elif (chained := self._chained(epoch)) is not None:
+            blocks = chained
         else:
             blocks = self.executor(units, self.stream, self.cfg.tokenizer)
         self._read_ahead(epoch)
         self._current = blocks
         return blocks
 
+    def _chained(self, epoch: int) -> Iterator[pa.Table] | None:
+        """`epoch`'s blocks, whole, from the chain reading it (started ahead), if one is."""
+        for chain in (self._chain, self._ahead):
+            if chain is not None and chain.covers(epoch):
+                if chain is self._ahead:
+                    if self._chain is not None:
+                        self._chain.close()  # its epochs are all read
+                    self._chain, self._ahead = chain, None
+                return chain.blocks(epoch)
+        return None
+
     def _read_ahead(self, epoch: int) -> None:
-        # Start reading the next epoch now, so the workers do not idle at the epoch boundary
-        # while this epoch's last blocks are packed (both executions are bounded prefetchers).
+        # Start reading the epochs after the current read now, so the workers do not idle at
+        # the boundary while its last blocks are packed (reads are bounded prefetchers). While
+        # `epoch` is read, the next chain is under way: one epoch if epochs are large, several
+        # in one execution if small (chain.py: a lane's share of a small, repeated stream).
         # Not under max_tokens: the cap may well end the stream within this epoch.
-        ahead = epoch + 1 < self.stream.repeat and self.max_tokens is None
-        if ahead and self._next_epoch is None:
-            self._next_epoch = (
-                epoch + 1,
-                self.executor(self.units(epoch + 1), self.stream, self.cfg.tokenizer),
-            )
+        if self._ahead is not None or self.max_tokens is not None:
+            return
+        chain = self._chain
+        after = chain.last if chain is not None and chain.covers(epoch) else epoch
+        if after + 1 >= self.stream.repeat:
+            return
+        units = self.units(after + 1, keep=False)
+        n = epochs_per_chain(sum(u.work for u in units), self.cfg.read.block_bytes,
+                             self.stream.repeat - after - 1)  # fmt: skip
+        per_epoch = [units] + [self.units(e, keep=False) for e in range(after + 2, after + 1 + n)]
+        self._ahead = EpochChain(
+            after + 1, per_epoch, lambda us: self.executor(us, self.stream, self.cfg.tokenizer)
+        )
 
     @property
     def files(self) -> list[str]:
@@ -350,10 +373,10 @@ class DocSource:
         mine = [i for i, lane in enumerate(self.piece_lanes()) if lane == self.lane]
         return [flat[i] for i in mine], [ends[i] for i in mine]
 
-    def units(self, epoch: int) -> list[Unit]:
-        """The read units of a whole epoch, in the order they are read."""
+    def units(self, epoch: int, keep: bool = True) -> list[Unit]:
+        """The read units of a whole epoch, in the order they are read (`keep`: see _order)."""
         if self.interleaved:
-            return self._plan(epoch, (), 0)[0]
+            return self._plan(epoch, (), 0, keep)[0]
         per_file = self._lane_files()
         order = file_order(len(per_file), self.cfg.seed, self.salt, epoch, self.cfg.shuffle.files)
         flat = [p for i in order for p in per_file[i]]
@@ -364,29 +387,34 @@ class DocSource:
             flat, read.block_bytes, read.first_block_bytes if epoch == 0 else read.block_bytes
         )
 
-    def _order(self, epoch: int) -> tuple[list[Piece], list[int]]:
+    def _order(self, epoch: int, keep: bool = True) -> tuple[list[Piece], list[int]]:
         """The epoch's pieces in their seeded order (shuffle.piece_order over every file's
         pieces), and each one's end: the first record of the next piece of its file, or
-        WHOLE_FILE (a piece holds records [first_record, end))."""
-        if epoch not in self._orders:
-            flat: list[Piece] = []
-            ends: list[int] = []
-            for per_file in self.pieces():
-                flat += per_file
-                ends += [p.first_record for p in per_file[1:]] + [WHOLE_FILE]
-            flat, ends = self._lane_only(flat, ends)
-            perm = piece_order(len(flat), self.cfg.seed, self.salt, epoch)
+        WHOLE_FILE (a piece holds records [first_record, end)). Kept for the epoch being read
+        (`keep`); an epoch only planned ahead (a chain's) is computed again when read."""
+        if epoch in self._orders:
+            return self._orders[epoch]
+        flat: list[Piece] = []
+        ends: list[int] = []
+        for per_file in self.pieces():
+            flat += per_file
+            ends += [p.first_record for p in per_file[1:]] + [WHOLE_FILE]
+        flat, ends = self._lane_only(flat, ends)
+        perm = piece_order(len(flat), self.cfg.seed, self.salt, epoch)
+        ordered = ([flat[i] for i in perm], [ends[i] for i in perm])
+        if keep:
             for old in [e for e in self._orders if e < epoch - 1]:
-                del self._orders[old]  # the current epoch and the one read ahead are kept
-            self._orders[epoch] = ([flat[i] for i in perm], [ends[i] for i in perm])
-        return self._orders[epoch]
+                del self._orders[old]  # the current epoch and the one before are kept
+            self._orders[epoch] = ordered
+        return ordered
 
     def _plan(
-        self, epoch: int, open_pieces: tuple[tuple[int, int], ...], next_piece: int
-    ) -> tuple[list[Unit], list[list[int]]]:
+        self, epoch: int, open_pieces: tuple[tuple[int, int], ...], next_piece: int,
+        keep: bool = True,
+    ) -> tuple[list[Unit], list[list[int]]]:  # fmt: skip
         """The units that read `epoch` from a position: the open pieces (re-read on a
         resume), then every piece from `next_piece` on; and each unit's piece ordinals."""
-        order, _ = self._order(epoch)
+        order, _ = self._order(epoch, keep)
         late = [o for o, _ in open_pieces if o >= min(next_piece, len(order))]
         if late:
             raise ValueError(
