@@ -3,8 +3,10 @@
     python -m bench.lane_reading [--lanes 1,8,16] [--tokens 20e6] [--repeats 3] [--json PATH]
 
 Lane 0 of K over the demo corpus's code.jsonl (11 MiB) read many times, through Ray Data
-tasks on this machine's Ray (a lane's own reading, without mixing, packing or serving): the
-share of one lane is 1/K of the file, so with K = 16 an epoch is ~0.7 MiB and one read task.
+tasks on this machine's Ray, as a feed of one lane reads and as lanes read with
+`read.in_lanes: false` (by default a lane reads its share in its own process, where an epoch
+costs no execution), without mixing, packing or serving: the share of one lane is 1/K of the
+file, so with K = 16 an epoch is ~0.7 MiB and one read task.
 Two ways, alternating, in the same run:
 
 - chained: epochs several to an execution (pipeline/read/chain.py, the default);

@@ -70,12 +70,23 @@ from wire.arrays import from_ipc, to_ipc, view
 from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, rank_meta, runs_of
 from wire.layout import compact, step_path, write_step
 
-STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane)
+STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane), at least
+
+
+def steps_per_call(lanes: int) -> int:
+    """Steps asked of each lane per call: STEPS_PER_CALL, or K past it, so that the control
+    submits about one lane call per global step and takes one answer, whatever K (a chunk is
+    K calls). At 4 steps a call, the control's CPU per step grew with K: 16 lanes on 2 cores,
+    8 ranks, pre-tokenized (`bench.serve_ranks`), 4.7 ms per step, a quarter of it submitting
+    calls and a quarter taking the answers apart (py-spy)."""
+    return max(STEPS_PER_CALL, lanes)
+
+
 # Chunks asked for ahead of the one being joined (actors only). With one, a lane idled for a
 # round trip after every chunk (its next was asked once its answer was back) and between the
 # ranks' bursts. Served pre-tokenized, 2 lanes on 2 cores (bench.serve_ranks, one run each):
 # 5.7M tokens/s with 1, 7.7M with 2, 10.1M with 3, 12.2M with 4 (8 steps x 2: 10.6M). A
-# weight change lands after the steps asked: up to IN_FLIGHT x STEPS_PER_CALL steps ahead.
+# weight change lands after the steps asked: up to IN_FLIGHT x steps_per_call(K) steps ahead.
 IN_FLIGHT = 4
 PENDING = ".lane"  # a step file a lane wrote, until the export takes its step
 
@@ -473,17 +484,18 @@ class LanedFeed:
             self._release = max(below, self._release or 0)
 
     def _room(self) -> int:
-        """How many steps may be asked of the lanes now: STEPS_PER_CALL, but never past the
-        next decision of the mixing policy after the step being made (`mixing.policy`): its
-        weights are decided (`set_weights`) just before it is made, so no lane may begin it
-        earlier. A decision at or before `self.step` is made already."""
+        """How many steps may be asked of the lanes now: steps_per_call(K), but never past
+        the next decision of the mixing policy after the step being made (`mixing.policy`):
+        its weights are decided (`set_weights`) just before it is made, so no lane may begin
+        it earlier. A decision at or before `self.step` is made already."""
+        per_call = steps_per_call(len(self.lanes))
         policy = self.cfg.mixing.policy
         if policy is None:
-            return STEPS_PER_CALL
-        for step in range(self.step + 1, self._asked + STEPS_PER_CALL):
+            return per_call
+        for step in range(self.step + 1, self._asked + per_call):
             if window_for(step, policy.every, policy.delay) is not None:
-                return min(STEPS_PER_CALL, step - self._asked)
-        return STEPS_PER_CALL
+                return min(per_call, step - self._asked)
+        return per_call
 
     def _ask(self) -> tuple[int, list] | None:
         # Under the lock: a weight change submitted to the lanes is ordered before or after

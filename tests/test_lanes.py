@@ -6,6 +6,7 @@ in one process make."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pyarrow as pa
@@ -16,7 +17,7 @@ from pipeline.lanes import LanedFeed, LaneError
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.stages.documents import lane_shares
-from pipeline.state.resume import StateError, check_laned_state
+from pipeline.state.resume import StateError, check_laned_state, seal
 from service.export import run_export, step_path
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.helpers import reassemble, rows_of
@@ -172,6 +173,39 @@ def test_states_of_other_lanes_are_refused_by_name(streams):
     broken = dict(state, step=3)
     with pytest.raises(StateError, match="digest does not match"):
         laned(two, state=broken)
+
+
+def test_a_laned_state_is_sealed_over_its_lanes_seals(streams):
+    """The outer seal covers each lane by its digest, and each lane is checked by its own: a
+    lane edited (re-sealed or not), lanes swapped, all refused; a state sealed over the lanes'
+    whole JSON, as before, resumes."""
+    cfg = config(streams, 2)
+    feed = laned(cfg, state_every=2)
+    steps_of(feed, 2)
+    state = json.loads(json.dumps(feed.get_state()))
+    assert set(state) == {"version", "config_hash", "step", "lanes", "digest"}
+    names, hashed = ["code", "chat"], cfg.config_hash()
+
+    def check(s):
+        return check_laned_state(s, hashed, names, False, "bfd", 2)
+
+    assert [p["digest"] for p in check(state)] == [p["digest"] for p in state["lanes"]]
+    edited = json.loads(json.dumps(state))
+    edited["lanes"][1]["feed"]["rows"] += 1
+    with pytest.raises(StateError, match="lane 1: resume state digest does not match"):
+        check(edited)
+    resealed = json.loads(json.dumps(edited))
+    seal(resealed["lanes"][1])  # the lane passes its own check; the outer seal names it
+    with pytest.raises(StateError, match="digest does not match"):
+        check(resealed)
+    swapped = dict(state, lanes=state["lanes"][::-1])
+    with pytest.raises(StateError, match="digest does not match"):
+        check(swapped)
+    whole = {k: v for k, v in state.items() if k != "digest"}
+    canonical = json.dumps(whole, sort_keys=True, separators=(",", ":"))
+    before = dict(whole, digest=hashlib.sha256(canonical.encode()).hexdigest())
+    assert before["digest"] != state["digest"]
+    assert check(before) == check(state)
 
 
 def test_mixing_holds_at_every_prefix_within_one_segment_per_lane(streams):

@@ -1,21 +1,20 @@
 """Epochs read in one execution: a small stream's repeats, chained.
 
-A stream is read an epoch at a time, each epoch one execution of the executor (Ray Data),
-and the next epoch's execution starts when this one's first block is taken. A lane reads only
-its share of each stream (1/K of its pieces), so a small stream read with `repeat` gives
-each lane a small epoch: the demo's 11 MiB of code over 16 lanes is ~0.7 MiB, one read task
-and ~200k tokens per lane and epoch. An execution's fixed cost (planning, a task's start and
-its first block back: ~80 ms on an idle 2-core VM, more under load) then sets the lane's pace:
-one epoch in flight ahead gives a lane at most ~200k tokens per execution's latency. Measured
-on a 16-core machine, the demo's text served with 16 lanes fell to 6.2M tokens/s (~0.4M per
-lane, a third of the machine busy), from 15.5M with 8 lanes.
+A stream is read an epoch at a time, each epoch one execution of the executor, and the next
+epoch's execution starts when this one's first block is taken. With Ray Data (a feed of one
+lane, and lanes with `read.in_lanes: false`), an execution has a fixed cost: planning, a
+task's start and its first block back, ~80 ms on an idle 2-core VM and more under load. A
+small stream read with `repeat`, or a lane's share of one (1/K of its pieces: the demo's
+11 MiB of code over 16 lanes is ~0.7 MiB, one read task and ~200k tokens per epoch), then
+pays that cost every few hundred thousand tokens, and one epoch in flight ahead does not
+hide it: lane 0 of 16 read 3.4M tokens/s that way on 2 cores, 5.2M chained
+(`python -m bench.lane_reading`).
 
 An `EpochChain` is one execution over several whole epochs' units, at least one read
 block's work (a stream whose epoch is as large is read one epoch per execution, as before),
-and hands out each epoch's blocks in turn. The units, their order and their blocks' rows are the same as epoch-by-epoch
-execution, so the documents and every batch are too: only how many executions carry them
-changes. (Grain's and Mosaic's loaders likewise keep reading across an epoch boundary
-rather than restarting their readers per epoch.)
+and hands out each epoch's blocks in turn. The units, their order and their blocks' rows are
+those of one execution per epoch, so the documents and every batch are too: only how many
+executions carry them changes.
 
 Each unit's rows are labelled with its index in its epoch (`unit`); in a chain, the label is
 `slot * STRIDE + index` (slot: the epoch's place in the chain), so a block is assigned to its
