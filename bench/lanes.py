@@ -2,7 +2,7 @@
 
     python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
     python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--steps-per-core S]
-        [--served-repeats 3] [--json PATH]
+        [--served-repeats 3] [--served-world 8|lanes] [--no-export] [--json PATH]
     (either: [--inputs text,pre-tokenized])
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
@@ -79,46 +79,56 @@ def export(config: dict, work: Path, cores: int, tag: str, world: int = 1) -> di
             "tokens": s["real_tokens"], "steps": s["steps"], "wall_s": wall}  # fmt: skip
 
 
-def served(config: dict, work: Path, cores: int, tag: str, steps: int) -> dict:
-    """One confined `bench.serve_ranks` (the service, its lanes and 8 model-less rank
-    processes under `taskset` on N cores): its figures."""
+def served(config: dict, work: Path, cores: int, tag: str, steps: int, world: int = 8,
+           with_export: bool = True) -> dict:  # fmt: skip
+    """One confined `bench.serve_ranks` (the service, its lanes and `world` model-less rank
+    processes under `taskset` on N cores): its figures. `with_export` False: served only (no
+    export before and after: no ratio, half the time)."""
     path = work / f"{tag}.yaml"
     path.write_text(yaml.safe_dump(config))
     out = work / f"{tag}.json"
     cpus = f"0-{cores - 1}" if cores > 1 else "0"
     cmd = ["taskset", "-c", cpus, sys.executable, "-m", "bench.serve_ranks", "--config", str(path),
-           "--steps", str(steps), "--json", str(out)]  # fmt: skip
+           "--steps", str(steps), "--json", str(out), "--world-size", str(world)]  # fmt: skip
+    if not with_export:
+        cmd.append("--no-export")
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     d = json.loads(out.read_text())
     steady, cpu = d["tokens_per_s"]["steady"], d["cpu_steady"]["served"]
     return {"served": steady["served"], "export": steady["export"], "ratio": steady["ratio"],
+            "world": world,
             "served_from_start": d["tokens_per_s"]["from_start"]["served"],
             "actor_ms_per_step": cpu["actor_ms_per_step"],
             "ranks_ms_per_step": cpu["ranks_ms_per_step"], "machine_busy": cpu["machine_busy"]}  # fmt: skip
 
 
 def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str | None,
-               repeats: int = 1, steps_per_core: int = 0) -> int:  # fmt: skip
+               repeats: int = 1, steps_per_core: int = 0, world: str = "8",
+               with_export: bool = True) -> int:  # fmt: skip
     """Served tokens/s against cores: at N cores, `lanes` N (the documented rule: a lane per
     core, K dividing G), and the ratio to N x the 1-core, 1-lane served rate; a projection of
     the data cores that feed 1,024 GPUs at 50k tokens/s each, at the per-core rate of the
     largest N measured (a model: linear past it, which only a larger machine can check).
     `steps_per_core`: serve max(steps, that x N) steps at N cores, so that the steady half
-    lasts about as long at every N (a fixed count is over in ~2 s at 16 cores)."""
+    lasts about as long at every N (a fixed count is over in ~2 s at 16 cores). `world`: the
+    ranks, a number or "lanes" (max(8, K): a world K divides, so each rank takes its rows from
+    one lane; with 16 lanes and 8 ranks each rank joins two lanes' rows, at twice the CPU)."""
     rows = []
     for kind, cfg in inputs.items():
         for n in cores:
             lanes = max(k for k in range(1, n + 1) if BATCH % k == 0)
             n_steps = max(steps, steps_per_core * n)
+            w = max(8, lanes) if world == "lanes" else int(world)
             runs = []
             for i in range(repeats):
                 runs.append(served(cfg | {"lanes": lanes}, work, n, f"served-{kind}-{n}-{i}",
-                                   n_steps))  # fmt: skip
+                                   n_steps, w, with_export))  # fmt: skip
                 r = runs[-1]  # each run as it ends: a long bench cut short keeps its points
-                print(f"  {kind}, {n} cores, {lanes} lanes, {n_steps} steps: served "
-                      f"{r['served'] / 1e6:.2f}M tokens/s, export {r['export'] / 1e6:.2f}M, "
+                exp = "-" if r["export"] is None else f"{r['export'] / 1e6:.2f}M"
+                print(f"  {kind}, {n} cores, {lanes} lanes, {w} ranks, {n_steps} steps: served "
+                      f"{r['served'] / 1e6:.2f}M tokens/s, export {exp}, "
                       f"actor {r['actor_ms_per_step']:.1f} ms/step, ranks "
                       f"{r['ranks_ms_per_step']:.1f} ms/step", flush=True)  # fmt: skip
             # The run of the median served rate, whole (its figures belong together).
@@ -126,7 +136,7 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
             rows.append({"input": kind, "cores": n, "lanes": lanes, "steps": n_steps, **mid,
                          "runs_served": [r["served"] for r in runs]})  # fmt: skip
     base = {r["input"]: r["served"] for r in rows if r["cores"] == 1}
-    head = (f"{'input':<14}{'cores':>6}{'lanes':>6}{'served tok/s':>14}{'÷ N×1-core':>12}"
+    head = (f"{'input':<14}{'cores':>6}{'lanes':>6}{'ranks':>6}{'served tok/s':>14}{'÷ N×1-core':>12}"
             f"{'from start':>12}{'÷ export':>10}{'actor ms/step':>15}{'ranks ms/step':>15}"
             f"{'busy':>6}")  # fmt: skip
     print(head)
@@ -134,8 +144,9 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
     for r in rows:
         r["scaling"] = r["served"] / (r["cores"] * base[r["input"]]) if r["input"] in base else None
         scaling = "" if r["scaling"] is None else f"{r['scaling']:.2f}"
-        print(f"{r['input']:<14}{r['cores']:>6}{r['lanes']:>6}{r['served']:>14,.0f}{scaling:>12}"
-              f"{r['served_from_start']:>12,.0f}{r['ratio']:>10.2f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        print(f"{r['input']:<14}{r['cores']:>6}{r['lanes']:>6}{r['world']:>6}{r['served']:>14,.0f}"
+              f"{scaling:>12}{r['served_from_start']:>12,.0f}{ratio:>10}"
               f"{r['actor_ms_per_step']:>15.1f}{r['ranks_ms_per_step']:>15.1f}"
               f"{r['machine_busy']:>6.0%}")  # fmt: skip
     if repeats > 1:
@@ -173,6 +184,14 @@ def main(argv=None) -> int:
                     "max(--steps, this x N) steps")  # fmt: skip
     ap.add_argument("--served-repeats", type=int, default=1, help="runs per point (--served): "
                     "the run of the median served rate is reported, every run's rate beside it")  # fmt: skip
+    ap.add_argument("--served-world", default="8", help="(--served) ranks: a number, or "
+                    "'lanes' for max(8, lanes)")  # fmt: skip
+    ap.add_argument(
+        "--no-export",
+        dest="with_export",
+        action="store_false",
+        help="(--served) serve only, no export beside it: no ratio, half the time",
+    )
     ap.add_argument("--inputs", default="text,pre-tokenized",
                     help="comma-separated: text, pre-tokenized (default both)")  # fmt: skip
     ap.add_argument("--json", default=None)
@@ -192,18 +211,19 @@ def main(argv=None) -> int:
     text = base | {"streams": {"code": {"paths": [str(corpus)], "repeat": args.epochs}}}
     # The pre-tokenized input: the text export's files, read back (one piece per step file).
     pretok_dir = work / "pretokenized"
-    export(text, work, have, "pretokenized")
     pretok = base | {"streams": {"code": {"paths": [str(pretok_dir)], "format": "export"}}}
-    # (export() deleted the step files; write them again and keep them)
-    subprocess.run([sys.executable, "-m", "service", "export", "--config",
-                    str(work / "pretokenized.yaml"), "--out", str(pretok_dir)],
-                   check=True, capture_output=True)  # fmt: skip
+    if "pre-tokenized" in kinds:
+        export(text, work, have, "pretokenized")
+        # (export() deleted the step files; write them again and keep them)
+        subprocess.run([sys.executable, "-m", "service", "export", "--config",
+                        str(work / "pretokenized.yaml"), "--out", str(pretok_dir)],
+                       check=True, capture_output=True)  # fmt: skip
     if args.served:  # read as often as the steps need
         forever = {k: c | {"streams": {"code": c["streams"]["code"] | {"repeat": 1000}}}
                    for k, c in (("text", text), ("pre-tokenized", pretok)) if k in kinds}  # fmt: skip
         try:
             return run_served(forever, cores, work, args.steps, args.json, args.served_repeats,
-                              args.steps_per_core)  # fmt: skip
+                              args.steps_per_core, args.served_world, args.with_export)  # fmt: skip
         finally:
             os.system(f"rm -rf {work}")
     fast = fastokens_rate(corpus_texts(corpus, 4 << 20))

@@ -1,6 +1,7 @@
 """Serving: what the batch service delivers to 8 simulated trainer ranks, against the export.
 
     python -m bench.serve_ranks [--quick] [--json PATH] [--config PATH] [--threads]
+        [--world-size 8] [--no-export]
 
 SPEC §4 "serving": 8 ranks that consume without a model receive >= 0.85 x the export's
 steady rate; p99 `next(feed)` reported. One run, on one private local Ray (object store
@@ -71,7 +72,7 @@ import threading
 import time
 from pathlib import Path
 
-WORLD = 8
+WORLD = 8  # ranks by default (--world-size)
 GOAL = 0.85
 GPU_RATES = (10_000, 50_000)
 OBJECT_STORE_BYTES = 512 << 20
@@ -156,18 +157,18 @@ def _rank_process(argv: list[str]) -> int:
 
 
 class RankProcesses:
-    """WORLD rank processes, idle until `go()`; killed by pid if they outlive the run."""
+    """`world` rank processes, idle until `go()`; killed by pid if they outlive the run."""
 
-    def __init__(self, service: str, steps: int, work: Path):
+    def __init__(self, service: str, steps: int, work: Path, world: int = WORLD):
         env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENMILL_RAY_LOGS": "0"}
-        self.outs = [work / f"rank-{r}.json" for r in range(WORLD)]
-        self.logs = [work / f"rank-{r}.log" for r in range(WORLD)]
+        self.outs = [work / f"rank-{r}.json" for r in range(world)]
+        self.logs = [work / f"rank-{r}.log" for r in range(world)]
         self.procs = []
-        for r in range(WORLD):
+        for r in range(world):
             with open(self.logs[r], "w") as log:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "bench.serve_ranks", "--_rank", service, str(r),
-                     str(WORLD), str(steps), str(self.outs[r])],
+                     str(world), str(steps), str(self.outs[r])],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
                 ))  # fmt: skip
 
@@ -215,18 +216,18 @@ class RankProcesses:
 
 
 class RankThreads:
-    """WORLD ranks as threads of this process (already a Ray driver)."""
+    """`world` ranks as threads of this process (already a Ray driver)."""
 
-    def __init__(self, service: str, steps: int):
-        self.service, self.steps = service, steps
+    def __init__(self, service: str, steps: int, world: int = WORLD):
+        self.service, self.steps, self.world = service, steps, world
         self.got: dict[int, dict] = {}
         self.errors: list[str] = []
         self.threads = [threading.Thread(target=self._run, args=(r,), daemon=True)
-                        for r in range(WORLD)]  # fmt: skip
+                        for r in range(world)]  # fmt: skip
 
     def _run(self, r: int) -> None:
         try:
-            self.got[r] = pull(self.service, r, WORLD, self.steps)
+            self.got[r] = pull(self.service, r, self.world, self.steps)
         except Exception as e:
             self.errors.append(f"rank {r}: {type(e).__name__}: {e}")
 
@@ -246,9 +247,9 @@ class RankThreads:
         deadline = time.monotonic() + timeout_s
         for t in self.threads:
             t.join(timeout=max(1.0, deadline - time.monotonic()))
-        if self.errors or len(self.got) < WORLD:
+        if self.errors or len(self.got) < self.world:
             raise RuntimeError("; ".join(self.errors) or "ranks did not finish")
-        return [self.got[r] for r in range(WORLD)]
+        return [self.got[r] for r in range(self.world)]
 
     def close(self, timeout_s: float = 30) -> None:
         pass
@@ -341,7 +342,7 @@ def delivered(results: list[dict], steps: int) -> dict:
     for res in results:
         for step, _, _, tokens, cpu, arrived in res["steps"]:
             by_step.setdefault(step, []).append((arrived, tokens, cpu))
-    complete = sorted(s for s, v in by_step.items() if len(v) == WORLD)
+    complete = sorted(s for s, v in by_step.items() if len(v) == len(results))
     if complete != list(range(steps)):
         raise RuntimeError(f"the ranks got {len(complete)} complete steps of {steps}")
     lat = [x[2] for res in results for x in res["steps"] if x[0] > 0]
@@ -365,7 +366,8 @@ def delivered(results: list[dict], steps: int) -> dict:
 
 def _table(r: dict) -> str:
     rates, lat, cpu = r["tokens_per_s"], r["latency_ms"], r["cpu_steady"]
-    ok = "meets" if r["ratio"] >= GOAL else "BELOW"
+    world = r["world_size"]
+    ok = "" if r["ratio"] is None else "meets" if r["ratio"] >= GOAL else "BELOW"
     gpus = "   ".join(f"at {k // 1000}k tok/s each: {v:,.1f}" for k, v in r["gpus_fed"].items())
     labels = {
         "steady": f"steady, after step {rates['steady']['after_step']}",
@@ -373,15 +375,20 @@ def _table(r: dict) -> str:
         "from_start": "from the feed's start",
     }
     actor = cpu["served"]["actor_ms_per_step"]
+    e = cpu["export"]
+    exp = None if e is None else (e["driver_ms_per_step"], e["machine_busy"])
     rows = [
-        f"serving {WORLD} ranks ({r['ranks_as']}), seq_len {r['seq_len']}, global batch "
-        f"{r['global_batch_size']} ({r['global_batch_size'] // WORLD} rows/rank), "
+        f"serving {world} ranks ({r['ranks_as']}), seq_len {r['seq_len']}, global batch "
+        f"{r['global_batch_size']} ({r['global_batch_size'] // world} rows/rank), "
         f"{r['steps']} steps, prefetch window {r['prefetch']}, {r['cpus']} CPUs",
-        f"  {'tokens/s to the last step':<34}{'export':>12}{f'served, {WORLD} ranks':>18}{'ratio':>8}"
+        f"  {'tokens/s to the last step':<34}{'export':>12}{f'served, {world} ranks':>18}{'ratio':>8}"
         "   (export: the mean of one before and one after serving)",
     ]
     for key, label in labels.items():
         x = rates[key]
+        if x["export"] is None:  # --no-export
+            rows.append(f"  {label:<34}{'-':>12}{x['served']:>18,.0f}{'-':>8}")
+            continue
         rows.append(f"  {label:<34}{x['export']:>12,.0f}{x['served']:>18,.0f}{x['ratio']:>8.3f}"
                     + f"   ({' / '.join(f'{e:,.0f}' for e in x['exports'])})"
                     + (f"   {ok} the goal >= {GOAL}" if key == "steady" else ""))  # fmt: skip
@@ -390,10 +397,11 @@ def _table(r: dict) -> str:
         f"max {lat['max']:.0f} ms   (step 0: {lat['step0_max']:.0f} ms)   "
         f"{r['steps_per_call']:.2f} steps per call",
         f"  {'GPUs kept fed (steady)':<34}{gpus}",
-        f"  {'CPU ms per step (steady)':<34}export driver {cpu['export']['driver_ms_per_step']:.1f}"
+        f"  {'CPU ms per step (steady)':<34}export driver "
+        f"{'-' if exp is None else f'{exp[0]:.1f}'}"
         f" | server actor {'?' if actor is None else f'{actor:.1f}'}"
         f" + ranks {cpu['served']['ranks_ms_per_step']:.1f}"
-        f"   (machine busy {100 * cpu['export']['machine_busy']:.0f}% | "
+        f"   (machine busy {'-' if exp is None else f'{100 * exp[1]:.0f}%'} | "
         f"{100 * cpu['served']['machine_busy']:.0f}%)",
     ]
     return "\n".join(rows)
@@ -423,6 +431,9 @@ def main(argv=None) -> int:
         help="the service's prefetch window (default: the service's own)",
     )
     ap.add_argument("--threads", action="store_true", help="ranks as threads of this process")
+    ap.add_argument("--world-size", type=int, default=WORLD, help=f"ranks (default {WORLD})")
+    ap.add_argument("--no-export", dest="export", action="store_false", help="serve only: no "
+                    "export before and after (no ratio; the steady window opens at step N/2)")  # fmt: skip
     args = ap.parse_args(argv)
     steps = args.steps or (40 if args.quick else 1000)
     if steps < 12:
@@ -431,7 +442,9 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tokenmill-serve-ranks-"))
     name = f"tokenmill-bench-{os.getpid()}"
     # Rank processes import Ray and torch while this process starts Ray.
-    ranks = RankThreads(name, steps) if args.threads else RankProcesses(name, steps, work)
+    world = args.world_size
+    ranks = (RankThreads(name, steps, world) if args.threads
+             else RankProcesses(name, steps, work, world))  # fmt: skip
     from service.cluster import connect, shutdown
 
     print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] imports done; starting Ray",
@@ -458,8 +471,9 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         cfg = load_config(args.config)
     else:
         cfg = parse_config(bench_config(build_demo_corpus(), args.seq_len, args.global_batch_size))
-    if cfg.global_batch_size % WORLD:
-        raise SystemExit(f"global_batch_size {cfg.global_batch_size} is not divisible by {WORLD}")
+    world = args.world_size
+    if cfg.global_batch_size % world:
+        raise SystemExit(f"global_batch_size {cfg.global_batch_size} is not divisible by {world}")
 
     def log(what: str) -> None:
         print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] {what}", file=sys.stderr,
@@ -472,13 +486,17 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         log("Ray up; warm-up")
         warm_up(cfg)
         ranks.wait_ready()
+        reports: list[tuple[float, int, int]] = []  # (time, steps written, real tokens)
+        again: list[tuple[float, int, int]] = []
+        t_export = t_again = 0.0
+        exported = None
         with Sampler() as sampler:
-            log("export")
-            reports: list[tuple[float, int, int]] = []  # (time, steps written, real tokens)
-            t_export = time.monotonic()
-            exported = run_export(cfg, work / "export", steps=steps,
-                                  progress=lambda n, tok, _: reports.append((time.monotonic(), n, tok)))  # fmt: skip
-            shutil.rmtree(work / "export", ignore_errors=True)
+            if args.export:
+                log("export")
+                t_export = time.monotonic()
+                exported = run_export(cfg, work / "export", steps=steps,
+                                      progress=lambda n, tok, _: reports.append((time.monotonic(), n, tok)))  # fmt: skip
+                shutil.rmtree(work / "export", ignore_errors=True)
 
             log("serve")
             ranks.go()  # the ranks wait for the actor: connected before its first step
@@ -488,7 +506,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
             st = ray.get(actor.status.remote(), timeout=30)
             t_init = time.monotonic() - st["uptime_s"]  # its __init__ began: the feed's start
             sampler.actor_pid, t_pid = st["server"]["pid"], time.monotonic()
-            while st["ranks_connected"] < WORLD and time.monotonic() - t_up < 120:
+            while st["ranks_connected"] < world and time.monotonic() - t_up < 120:
                 time.sleep(0.01)
                 st = ray.get(actor.status.remote(), timeout=30)
             produced_at_connect = st["global_step"]
@@ -496,12 +514,12 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
             metrics = ray.get(actor.metrics.remote(), timeout=30)
         _close(actor)
         actor = None
-        log("export again")  # serving between two exports: drift over the run is halved
-        again: list[tuple[float, int, int]] = []
-        t_again = time.monotonic()
-        run_export(cfg, work / "export", steps=steps,
-                   progress=lambda n, tok, _: again.append((time.monotonic(), n, tok)))  # fmt: skip
-        shutil.rmtree(work / "export", ignore_errors=True)
+        if args.export:
+            log("export again")  # serving between two exports: drift over the run is halved
+            t_again = time.monotonic()
+            run_export(cfg, work / "export", steps=steps,
+                       progress=lambda n, tok, _: again.append((time.monotonic(), n, tok)))  # fmt: skip
+            shutil.rmtree(work / "export", ignore_errors=True)
         log("done")
     finally:
         if actor is not None:
@@ -509,47 +527,51 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         ranks.close()
         log("ranks gone")
 
-    for r in (reports, again):
+    for r in (reports, again) if args.export else ():
         if r[-1][1] != steps:
             raise RuntimeError(f"an export wrote {r[-1][1]} steps of {steps}")
     got = delivered(results, steps)
     done, tokens = got["done"], got["tokens"]
     cum = [sum(tokens[: s + 1]) for s in range(steps)]
-    t_end = reports[-1][0]
-    # Windows open after export step `after` (the last step of one of its progress reports).
-    mid = _mid_report(reports, steps)
-    exports = [_export_rates(reports, t_export, steps), _export_rates(again, t_again, steps)]
-    rates = {}
+    # Windows open after export step `after` (the last step of one of its progress reports);
+    # with no export, after step N/2 and after step 0.
+    if args.export:
+        exports = [_export_rates(reports, t_export, steps), _export_rates(again, t_again, steps)]
+        after = {label: exports[0][label][1] for label in ("steady", "first_step")}
+    else:
+        exports, after = [], {"steady": steps // 2 - 1, "first_step": 0}
+    rates: dict[str, dict] = {}
     for label in ("steady", "first_step"):
-        a = exports[0][label][1]
+        a = after[label]
         s_a = max(a, produced_at_connect)  # the ranks were all there when it was produced
         while s_a + 1 < steps and done[s_a + 1] == done[s_a]:  # came in one answer with s_a
             s_a += 1
         rates[label] = {
             "after_step": a,
-            "export": sum(e[label][0] for e in exports) / 2,
+            "export": sum(e[label][0] for e in exports) / 2 if exports else None,
             "exports": [e[label][0] for e in exports],
             "served": (cum[-1] - cum[s_a]) / (done[-1] - done[s_a]),
             "served_after_step": s_a,
         }
     rates["from_start"] = {
-        "export": sum(e["from_start"][0] for e in exports) / 2,
+        "export": sum(e["from_start"][0] for e in exports) / 2 if exports else None,
         "exports": [e["from_start"][0] for e in exports],
         "served": cum[-1] / (done[-1] - t_init),
     }
     for r in rates.values():
-        r["ratio"] = r["served"] / r["export"]
+        r["ratio"] = r["served"] / r["export"] if r["export"] else None
     rate = rates["steady"]["served"]
     # CPU over the steady windows, per global step.
     a, s_a = rates["steady"]["after_step"], rates["steady"]["served_after_step"]
     n_export, n_served = steps - 1 - a, steps - 1 - s_a
-    cpu_export = sampler.window(mid[0], t_end)
+    cpu_export = (sampler.window(_mid_report(reports, steps)[0], reports[-1][0])
+                  if args.export else None)  # fmt: skip
     cpu_served = sampler.window(max(done[s_a], t_pid), done[-1])
     ranks_cpu = cpu_served["this_process_cpu_s"] if args.threads else got["cpu"][-1] - got["cpu"][s_a]  # fmt: skip
     actor_cpu = cpu_served["actor_cpu_s"]
     result = {
         "ranks_as": "threads" if args.threads else "processes",
-        "world_size": WORLD,
+        "world_size": world,
         "cpus": cpus,
         "seq_len": cfg.seq_len,
         "global_batch_size": cfg.global_batch_size,
@@ -557,7 +579,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         "prefetch": metrics["prefetch"],
         "object_store_bytes": OBJECT_STORE_BYTES,
         "config": args.config or "demo corpus, code stream (pretrain)",
-        "tokens": reports[-1][2],
+        "tokens": reports[-1][2] if reports else cum[-1],
         "tokens_served": cum[-1],
         "tokens_per_s": rates,
         "ratio": rates["steady"]["ratio"],
@@ -565,21 +587,25 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         "gpus_fed": {g: rate / g for g in GPU_RATES},
         "latency_ms": got["latency_ms"],
         "steps_per_call": steps / max(1.0, got["calls_per_rank"]),
-        "export_summary": {  # its own figures; their definitions are service/export.py's
+        "export_summary": None
+        if exported is None
+        else {  # its own figures (service/export.py)
             "tokens_per_s": exported.export.tokens_per_s,
             "steady_tokens_per_s": exported.export.steady_tokens_per_s,
             "time_to_first_step_s": exported.export.time_to_first_step_s,
         },
         # From the feed's start to step `first_step.after_step` done (the export's first report).
         "time_to_first_report_s": {
-            "export": reports[0][0] - t_export,
-            "served": done[reports[0][1] - 1] - t_init,
+            "export": reports[0][0] - t_export if reports else None,
+            "served": done[reports[0][1] - 1 if reports else 0] - t_init,
         },
         "server_start_s": t_up - t_go,  # the actor's process up, before its feed starts
         "produced_before_all_connected": produced_at_connect,
         "packing_efficiency": metrics["packing_efficiency"],
         "cpu_steady": {
-            "export": {
+            "export": None
+            if cpu_export is None
+            else {
                 "machine_busy": cpu_export["machine_busy"],
                 "driver_ms_per_step": 1e3 * cpu_export["this_process_cpu_s"] / n_export,
             },
