@@ -106,19 +106,20 @@ def served(config: dict, work: Path, cores: int, tag: str, steps: int, world: in
 
 def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str | None,
                repeats: int = 1, steps_per_core: int = 0, world: str = "8",
-               with_export: bool = True) -> int:  # fmt: skip
+               with_export: bool = True, fixed_lanes: int = 0) -> int:  # fmt: skip
     """Served tokens/s against cores: at N cores, `lanes` N (the documented rule: a lane per
     core, K dividing G), and the ratio to N x the 1-core, 1-lane served rate; a projection of
     the data cores that feed 1,024 GPUs at 50k tokens/s each, at the per-core rate of the
     largest N measured (a model: linear past it, which only a larger machine can check).
     `steps_per_core`: serve max(steps, that x N) steps at N cores, so that the steady half
-    lasts about as long at every N (a fixed count is over in ~2 s at 16 cores). `world`: the
+    lasts about as long at every N (a fixed count is over in ~2 s at 16 cores). `fixed_lanes`:
+    that many lanes at every N instead of the rule (to tell the lanes from the cores). `world`: the
     ranks, a number or "lanes" (max(8, K): a world K divides, so each rank takes its rows from
     one lane; with 16 lanes and 8 ranks each rank joins two lanes' rows, at twice the CPU)."""
     rows = []
     for kind, cfg in inputs.items():
         for n in cores:
-            lanes = max(k for k in range(1, n + 1) if BATCH % k == 0)
+            lanes = fixed_lanes or max(k for k in range(1, n + 1) if BATCH % k == 0)
             n_steps = max(steps, steps_per_core * n)
             w = max(8, lanes) if world == "lanes" else int(world)
             runs = []
@@ -186,6 +187,8 @@ def main(argv=None) -> int:
                     "the run of the median served rate is reported, every run's rate beside it")  # fmt: skip
     ap.add_argument("--served-world", default="8", help="(--served) ranks: a number, or "
                     "'lanes' for max(8, lanes)")  # fmt: skip
+    ap.add_argument("--lanes", type=int, default=0, help="(--served) this many lanes at every N "
+                    "(default: a lane per core)")  # fmt: skip
     ap.add_argument(
         "--no-export",
         dest="with_export",
@@ -223,7 +226,8 @@ def main(argv=None) -> int:
                    for k, c in (("text", text), ("pre-tokenized", pretok)) if k in kinds}  # fmt: skip
         try:
             return run_served(forever, cores, work, args.steps, args.json, args.served_repeats,
-                              args.steps_per_core, args.served_world, args.with_export)  # fmt: skip
+                              args.steps_per_core, args.served_world, args.with_export,
+                              args.lanes)  # fmt: skip
         finally:
             os.system(f"rm -rf {work}")
     fast = fastokens_rate(corpus_texts(corpus, 4 << 20))
