@@ -24,6 +24,7 @@ from pipeline.tokenize.engines import (
     BACKEND_HF_FALLBACK,
     CL100K_TIKTOKEN_PATTERN,
     FAST_PROBE,
+    VERIFY_MIN_CHARS,
     FastBackendError,
     FastEncoder,
     FastokensEncoder,
@@ -71,12 +72,39 @@ def test_verify_sample_is_proportional_and_deterministic():
     total = sum(map(len, texts))
     picked = verify_sample(texts, 0.01)
     assert picked == verify_sample(texts, 0.01)
-    assert picked[0] == 0 and all(b - a >= 100 for a, b in zip(picked, picked[1:], strict=False))
-    assert 0 < sum(len(texts[i]) for i in picked) <= 0.01 * total
+    assert all(a == 0 and b == len(texts[i]) for i, a, b in picked)  # whole texts
+    index = [i for i, _, _ in picked]
+    assert index[0] == 0 and all(b - a >= 100 for a, b in zip(index, index[1:], strict=False))
+    assert 0 < sum(len(texts[i]) for i in index) <= 0.01 * total
     # One huge document among small ones: the budget is never blown, the check never skipped.
     texts = ["y" * 1_000_000] + ["z" * 50] * 10
-    assert verify_sample(texts, 0.01) == [1]
-    assert verify_sample(["only one"], 0.01) == [0]
+    assert verify_sample(texts, 0.01) == [(1, 0, 50)]
+    assert verify_sample(["only one"], 0.01) == [(0, 0, 8)]
+
+
+def test_verify_sample_checks_a_window_of_a_long_document():
+    """A batch whose every text outgrows the budget checks a window of the shortest, the
+    budget long (VERIFY_MIN_CHARS at least), from its middle: never the whole of a long text
+    (a one-document batch of 1.2M characters was checked whole, at HF's speed)."""
+    assert verify_sample(["x" * 1_000_000], 0.01) == [(0, 495_000, 505_000)]
+    texts = ["a" * 400_000, "b" * 300_000, "c" * 500_000]
+    assert verify_sample(texts, 0.01) == [(1, 144_000, 156_000)]
+    # A small batch still checks VERIFY_MIN_CHARS, or its shortest text whole if shorter.
+    assert verify_sample(["d" * 2_000], 0.01) == [(0, 872, 872 + VERIFY_MIN_CHARS)]
+    assert verify_sample(["e" * 100, "f" * 200], 0.01) == [(0, 0, 100)]
+
+
+@pytest.mark.parametrize("engine", ["tiktoken", "fastokens"])
+def test_a_wrong_engine_is_caught_in_a_long_documents_window(tokenizer, engine):
+    """The window is checked as a text of its own: a fast engine that splits digit runs
+    differently is caught inside one long document, and the batch goes to HF."""
+    long = " ".join(f"release {20261122 + i} notes" for i in range(20_000))  # ~460k characters
+    auto = _with_fast(tokenizer, _wrong_engine(engine), "auto")
+    flat, _, backend = auto.encode_verified([long])
+    assert backend == BACKEND_HF_FALLBACK
+    assert flat.tolist() == tokenizer.encode([long])[0].tolist()
+    # The right engine passes the same window: the batch keeps the fast ids.
+    assert tokenizer.encode_verified([long])[2] == tokenizer.fast.code
 
 
 def _with_fast(tok: LoadedTokenizer, fast, backend: str) -> LoadedTokenizer:
