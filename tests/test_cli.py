@@ -83,6 +83,25 @@ def test_an_all_rejected_stream_fails_the_export(tmp_path, capsys, on_exhausted)
     assert len(rejects) == 5 and json.loads(rejects[0])["stream"] == "b"
 
 
+def test_an_all_rejected_repeated_stream_ends_after_one_epoch(tmp_path, capsys):
+    """`repeat: 1000` over records that are all rejected: the stream ends after its first
+    epoch (every epoch holds the same records), each record is rejected once, and the run
+    still fails by name; the good stream carries on (renormalize)."""
+    _bad_jsonl(tmp_path / "bad.jsonl", 5)
+    write_jsonl(tmp_path / "good.jsonl", stdlib_texts(20))
+    cfg = _config(
+        tmp_path, {"b": {"paths": ["bad.jsonl"], "repeat": 1000}, "g": {"paths": ["good.jsonl"]}},
+        mixing={"on_exhausted": "renormalize"},
+    )  # fmt: skip
+    out = tmp_path / "o"
+    assert main(["export", "--config", cfg, "--out", str(out), "--steps", "2", "--local"]) == 1
+    err = capsys.readouterr().err
+    assert "stream 'b' delivered nothing: all 5 record(s) read were rejected" in err, err
+    assert len((out / "rejects.jsonl").read_text().splitlines()) == 5
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["streams"]["b"]["epochs_started"] == 1, summary["streams"]["b"]
+
+
 def test_a_clean_export_exits_0(tmp_path):
     write_jsonl(tmp_path / "good.jsonl", stdlib_texts(20))
     cfg = _config(tmp_path, {"g": {"paths": ["good.jsonl"]}})
