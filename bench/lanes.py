@@ -97,11 +97,21 @@ def served(config: dict, work: Path, cores: int, tag: str, steps: int, world: in
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     d = json.loads(out.read_text())
     steady, cpu = d["tokens_per_s"]["steady"], d["cpu_steady"]["served"]
+    ln = d.get("lanes")
     return {"served": steady["served"], "export": steady["export"], "ratio": steady["ratio"],
-            "world": world,
+            "world": world, "lanes_busy": ln,
             "served_from_start": d["tokens_per_s"]["from_start"]["served"],
             "actor_ms_per_step": cpu["actor_ms_per_step"],
             "ranks_ms_per_step": cpu["ranks_ms_per_step"], "machine_busy": cpu["machine_busy"]}  # fmt: skip
+
+
+def _busiest(ln: dict | None) -> str:
+    """The busiest lane's making time, wall and CPU, as a share of the serve (serve_ranks)."""
+    if ln is None:
+        return ""
+    k = ln["busiest"]
+    return (f", busiest lane {k} {ln['busy'][k]:.0%} wall {ln['cpu'][k]:.0%} CPU, producer "
+            f"waited {ln['producer_waited']:.0%}")  # fmt: skip
 
 
 def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str | None,
@@ -131,7 +141,8 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
                 print(f"  {kind}, {n} cores, {lanes} lanes, {w} ranks, {n_steps} steps: served "
                       f"{r['served'] / 1e6:.2f}M tokens/s, export {exp}, "
                       f"actor {r['actor_ms_per_step']:.1f} ms/step, ranks "
-                      f"{r['ranks_ms_per_step']:.1f} ms/step", flush=True)  # fmt: skip
+                      f"{r['ranks_ms_per_step']:.1f} ms/step{_busiest(r['lanes_busy'])}",
+                      flush=True)  # fmt: skip
             # The run of the median served rate, whole (its figures belong together).
             mid = sorted(runs, key=lambda r: r["served"])[len(runs) // 2]
             rows.append({"input": kind, "cores": n, "lanes": lanes, "steps": n_steps, **mid,

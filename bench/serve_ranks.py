@@ -364,6 +364,20 @@ def delivered(results: list[dict], steps: int) -> dict:
     }
 
 
+def _lanes_busy(metrics: dict, serve_s: float) -> dict | None:
+    """Each lane's making time as a share of the serve (feed start to last step done), wall
+    and CPU, and the producer's wait on the lanes: a step waits for its slowest lane, the
+    one near 1. None with one lane (the server's own feed)."""
+    lanes = metrics.get("lanes")
+    if not lanes or any(d.get("making_s") is None for d in lanes):
+        return None
+    busy = [d["making_s"] / serve_s for d in lanes]
+    cpu = [d["making_cpu_s"] / serve_s for d in lanes]
+    top = max(range(len(busy)), key=busy.__getitem__)
+    return {"busy": busy, "cpu": cpu, "busiest": top,
+            "producer_waited": (metrics.get("lanes_waited_s") or 0.0) / serve_s}  # fmt: skip
+
+
 def _table(r: dict) -> str:
     rates, lat, cpu = r["tokens_per_s"], r["latency_ms"], r["cpu_steady"]
     world = r["world_size"]
@@ -397,6 +411,16 @@ def _table(r: dict) -> str:
         f"max {lat['max']:.0f} ms   (step 0: {lat['step0_max']:.0f} ms)   "
         f"{r['steps_per_call']:.2f} steps per call",
         f"  {'GPUs kept fed (steady)':<34}{gpus}",
+        *(
+            []
+            if (ln := r.get("lanes")) is None
+            else [
+                f"  {'lanes making (share of the serve)':<34}busiest lane {ln['busiest']}: "
+                f"{ln['busy'][ln['busiest']]:.0%} wall, {ln['cpu'][ln['busiest']]:.0%} CPU; "
+                f"least {min(ln['busy']):.0%}; the producer waited on them "
+                f"{ln['producer_waited']:.0%}"
+            ]
+        ),
         f"  {'CPU ms per step (steady)':<34}export driver "
         f"{'-' if exp is None else f'{exp[0]:.1f}'}"
         f" | server actor {'?' if actor is None else f'{actor:.1f}'}"
@@ -602,6 +626,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
         "server_start_s": t_up - t_go,  # the actor's process up, before its feed starts
         "produced_before_all_connected": produced_at_connect,
         "packing_efficiency": metrics["packing_efficiency"],
+        "lanes": _lanes_busy(metrics, done[-1] - t_init),
         "cpu_steady": {
             "export": None
             if cpu_export is None

@@ -119,6 +119,10 @@ class Receipt:
     written: tuple[int, ...] = ()  # ranks whose step files the lane wrote aside (`writes`)
     labels: bool = False  # those files keep a labels column
     held: int = 0  # steps the lane held once it had made this one (metrics `lanes`)
+    # The lane's time in making steps so far, once it had made this one: wall and its making
+    # thread's CPU seconds (metrics `lanes`: a lane whose CPU nears its wall is out of core).
+    making_s: float = 0.0
+    making_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,7 @@ class LaneWorker:
                          allow_config_change=allow_config_change, lane=lane)  # fmt: skip
         self.feed.full_batches = full_batches
         self.ipc = ipc
+        self.making_s = self.making_cpu_s = 0.0  # Receipt `making_s`, `making_cpu_s`
 
     def steps(self, n: int, state_every: int, release_below: int | None = None
               ) -> tuple[list[tuple[Any, dict | None]], list[Reject]]:  # fmt: skip
@@ -212,7 +217,10 @@ class LaneWorker:
                 for step in [s for s in self.held if s < release_below]:
                     del self.held[step]
         first = self.feed.step
+        wall, cpu = time.monotonic(), time.thread_time()
         made = next_steps(self.feed, n, state_every)
+        self.making_s += time.monotonic() - wall
+        self.making_cpu_s += time.thread_time() - cpu
         rejects = list(self.feed.rejects)
         self.feed.rejects.clear()
         if self.hold:
@@ -220,7 +228,8 @@ class LaneWorker:
                 for i, (b, _) in enumerate(made):
                     self.held[first + i] = b
                 held = len(self.held)
-            receipts = [replace(served_counts(b, self.names), held=held) for b, _ in made]
+            receipts = [replace(served_counts(b, self.names), held=held, making_s=self.making_s,
+                                making_cpu_s=self.making_cpu_s) for b, _ in made]  # fmt: skip
             if self.writes is not None:
                 receipts = [replace(r, **self._write(first + i, b))
                             for i, (r, (b, _)) in enumerate(zip(receipts, made, strict=True))]  # fmt: skip
@@ -418,6 +427,11 @@ class LanedFeed:
         # last answered (holding lanes): metrics `lanes`.
         self._processes = [lane.call("process") for lane in self.lanes]
         self._held = [0] * K
+        # The seconds `next_step` waited for the lanes' answers (metrics `lanes_waited_s`), and
+        # per lane its making time (wall, CPU) when it last answered (holding lanes; metrics
+        # `lanes`): a step waits for its slowest lane, the one busy nearly all the time.
+        self.waited_s = 0.0
+        self._making = [(0.0, 0.0)] * K
         self.rejects: list[Reject] = []
         self.on_reject = on_reject
         # False (the batch server): `summary` answers with the lanes' last summaries and asks
@@ -512,11 +526,15 @@ class LanedFeed:
         chunk = self._pending.popleft() if self._pending else self._ask()
         assert chunk is not None  # nothing pending and nothing ready: the step made is asked
         n, asked = chunk
+        t = time.monotonic()
         answers = [self._answer(k, call) for k, call in enumerate(asked)]
+        self.waited_s += time.monotonic() - t
         if self.hold:
             for k, (steps, _) in enumerate(answers):
                 if steps:
-                    self._held[k] = steps[-1][0].held
+                    last = steps[-1][0]
+                    self._held[k] = last.held
+                    self._making[k] = (last.making_s, last.making_cpu_s)
         self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
         while not isinstance(self.lanes[0], _Local) and len(self._pending) < IN_FLIGHT:
@@ -578,14 +596,17 @@ class LanedFeed:
     def lane_view(self) -> list[dict]:
         """Each lane: its process (pid, host; None until it has said) and, when the lanes
         hold the rows, the steps it held when it last answered (the window's steps, those not
-        yet released, and those made ahead)."""
+        yet released, and those made ahead) and its seconds making steps by then, wall and
+        CPU (`making_s`, `making_cpu_s`)."""
         out = []
         for k, (lane, call) in enumerate(zip(self.lanes, self._processes, strict=True)):
             where = {"pid": None, "host": None}
             if lane.ready(call):
                 with contextlib.suppress(Exception):  # a lane that died says nothing
                     where = lane.get(call)
-            out.append({"lane": k, **where, "held_steps": self._held[k] if self.hold else None})
+            making, cpu = self._making[k] if self.hold else (None, None)
+            out.append({"lane": k, **where, "held_steps": self._held[k] if self.hold else None,
+                        "making_s": making, "making_cpu_s": cpu})  # fmt: skip
         return out
 
     def _batch(self, made) -> pa.RecordBatch:

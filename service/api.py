@@ -539,6 +539,18 @@ def _families(m: dict, st: dict) -> list:
               "those not yet released, and those made ahead",
               {d.get("lane"): d.get("held_steps") for d in lanes if isinstance(d, dict)},
               "lane")  # fmt: skip
+        counter("lane_making_seconds", "Seconds a lane spent making steps (lanes > 1, holding): "
+                "near the run's time, that lane is the one every step waits for",
+                {d.get("lane"): d.get("making_s") for d in lanes if isinstance(d, dict)},
+                "lane")  # fmt: skip
+        counter("lane_making_cpu_seconds", "CPU seconds of a lane's making thread",
+                {d.get("lane"): d.get("making_cpu_s") for d in lanes if isinstance(d, dict)},
+                "lane")  # fmt: skip
+        counter(
+            "lanes_waited_seconds",
+            "Seconds the producer waited for the lanes' answers",
+            m.get("lanes_waited_s"),
+        )
     gauge(
         "lag_normal_max_steps",
         "Top of a rank's normal lag: the prefetch window plus one fetch",

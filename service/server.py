@@ -946,6 +946,7 @@ class BatchServer:
                 "held_steps": len(self.window.steps),
                 # `lanes` > 1: where each lane runs and the steps it holds (pipeline/lanes.py)
                 "lanes": self.feed.lane_view() if hasattr(self.feed, "lane_view") else None,
+                "lanes_waited_s": getattr(self.feed, "waited_s", None),  # producer, on lanes
                 "prefetch": self.prefetch,
                 "real_tokens": s.real_tokens,
                 "rows": s.rows,

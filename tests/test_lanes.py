@@ -499,8 +499,17 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
             assert len(pids) == lanes and os.getpid() not in pids
             for pid in pids:
                 os.kill(pid, 0)  # alive
+            # Each lane's time making steps, wall and CPU, and the producer's wait on them.
+            last = views[-1]
+            assert all(d["making_s"] > 0 and d["making_cpu_s"] > 0 for d in last), last
+            assert all(d["making_cpu_s"] <= d["making_s"] + 0.05 for d in last), last
+            waited = srv.metrics()["lanes_waited_s"]
+            assert waited is not None and waited >= 0
             text = prometheus_text(srv.metrics(), srv.status())
             assert text.count("tokenmill_lane_held_steps{lane=") == lanes
+            assert text.count("tokenmill_lane_making_seconds_total{lane=") == lanes
+            assert text.count("tokenmill_lane_making_cpu_seconds_total{lane=") == lanes
+            assert "tokenmill_lanes_waited_seconds_total " in text
             first = srv.feed.lanes[0].handle  # every rank asked past step 0 long ago
             with pytest.raises(ray.exceptions.RayTaskError, match="no longer holds step 0"):
                 ray.get(first.take.options(concurrency_group="serve").remote([(0, 0, 1)], 0, 1))
