@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.read.reading import Unit
+from wire.arrays import numeric, view
 
 STRIDE = 1 << 20  # labels per epoch in a chain: an epoch has fewer units than this
 MAX_EPOCHS = 64  # epochs in one chain, at most (unit labels are int32: 64 x 2^20 < 2^31)
@@ -83,7 +84,7 @@ class EpochChain:
             if block.num_rows == 0:
                 continue
             col = block.schema.get_field_index("unit")
-            labels = block.column(col).to_numpy()
+            labels = view(block.column(col))  # not to_numpy(): its first call imports pandas
             slots = labels // STRIDE  # non-decreasing: units come in order
             # Rows of an earlier epoch (one left unfinished) are dropped; a later one's kept.
             lo, hi = (int(x) for x in np.searchsorted(slots, [slot, slot + 1]))
@@ -94,8 +95,8 @@ class EpochChain:
                 continue
             mine = block if (lo, hi) == (0, len(slots)) else block.slice(lo, hi - lo)
             if slot:
-                mine = mine.set_column(col, "unit", pa.array(labels[lo:hi] - slot * STRIDE,
-                                                             pa.int32()))  # fmt: skip
+                unit = (labels[lo:hi] - slot * STRIDE).astype(np.int32)
+                mine = mine.set_column(col, "unit", numeric(unit))
             if hi < len(slots):
                 self._held = block.slice(hi)
             yield mine
