@@ -1,0 +1,97 @@
+"""Each lane's own rate: what bounds K lanes when each has a core.
+
+    python -m bench.lane_rates [--lanes 16] [--corpus FILE.jsonl] [--steps 600] [--json PATH]
+
+Every global step needs all K lanes' parts, so K lanes serve at most K × the slowest lane's
+rate, however many cores they have. This bench makes each lane's steps alone, one after the
+other, in this process (`LaneWorker`, reading its share itself as `read.in_lanes` does), on
+a text stream (`--corpus`, default the demo corpus's code.jsonl, read `repeat` 1000), seq_len
+2048, global batch 32, concat. Per lane: tokens/s over `--steps` lane steps after a warm-up
+call, and the share of its characters that the HF check encoded again
+(`LoadedTokenizer.encode_verified`, `verify_sample`). Then the slowest lane, the spread, and
+K × the slowest: the laned feed's bound on this core's speed.
+
+The demo corpus is the running Python's standard library, so it differs between Pythons: with
+Python 3.12's, lane 0 of 16 holds one 796k-character document, which the HF check used to
+encode whole (that lane made 0.57M tokens/s, the others 4-5M).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+SEQ_LEN, BATCH = 2048, 32
+
+
+def lane_rates(corpus: str, lanes: int, steps: int) -> list[dict]:
+    """Each lane's tokens/s making `steps` lane steps alone, and its checked share."""
+    from pipeline.lanes import LaneWorker
+    from pipeline.read.resolve import parse_config
+    from pipeline.tokenize import engines
+
+    cfg = parse_config({"seq_len": SEQ_LEN, "global_batch_size": BATCH,
+                        "packing": {"mode": "concat"}, "lanes": lanes,
+                        "streams": {"text": {"paths": [corpus], "repeat": 1000}}})  # fmt: skip
+    seen = [0, 0]  # characters encoded, characters checked
+    encode = engines.LoadedTokenizer.encode_verified
+
+    def counting(self, texts):
+        seen[0] += sum(len(t) for t in texts)
+        seen[1] += sum(b - a for _, a, b in engines.verify_sample(texts, self.verify_fraction))
+        return encode(self, texts)
+
+    engines.LoadedTokenizer.encode_verified = counting  # type: ignore[method-assign]
+    out = []
+    try:
+        for k in range(lanes):
+            lane = LaneWorker(cfg.model_dump(mode="json", context={"reveal_secrets": True}), k,
+                              None, False, True, True, False)  # fmt: skip
+            lane.steps(16, 0)  # warm: the tokenizer loaded, the first read begun
+            seen[:] = [0, 0]
+            t, n = time.perf_counter(), 0
+            while n < steps:
+                got, _ = lane.steps(16, 1)  # a state every step, as the batch server asks
+                if not got:
+                    break
+                n += len(got)
+            wall = time.perf_counter() - t
+            lane.close()
+            out.append({"lane": k, "steps": n, "tokens_per_s": n * SEQ_LEN * BATCH / lanes / wall,
+                        "checked": seen[1] / max(1, seen[0])})  # fmt: skip
+            print(f"  lane {k:>2}: {out[-1]['tokens_per_s'] / 1e6:6.2f}M tokens/s, HF check "
+                  f"{out[-1]['checked']:.2%} of its characters", flush=True)  # fmt: skip
+    finally:
+        engines.LoadedTokenizer.encode_verified = encode  # type: ignore[method-assign]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--lanes", type=int, default=16)
+    ap.add_argument("--corpus", default=None, help="a JSONL text file (default: the demo's code)")
+    ap.add_argument("--steps", type=int, default=600, help="lane steps per lane")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if BATCH % args.lanes:
+        raise SystemExit(f"--lanes must divide {BATCH}")
+    from service.demo_corpus import build_demo_corpus
+
+    corpus = args.corpus or str(build_demo_corpus() / "code.jsonl")
+    rows = lane_rates(corpus, args.lanes, args.steps)
+    rates = [r["tokens_per_s"] for r in rows]
+    slow = min(range(len(rates)), key=rates.__getitem__)
+    print(f"{args.lanes} lanes: slowest lane {slow} at {rates[slow] / 1e6:.2f}M tokens/s, fastest "
+          f"{max(rates) / 1e6:.2f}M (spread x{max(rates) / rates[slow]:.2f}); "
+          f"{args.lanes} x the slowest = {args.lanes * rates[slow] / 1e6:.1f}M tokens/s, "
+          f"the bound with a core per lane (the sum would be {sum(rates) / 1e6:.1f}M)")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"corpus": corpus, "lanes": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
