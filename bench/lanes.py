@@ -3,7 +3,7 @@
     python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
     python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--steps-per-core S]
         [--served-repeats 3] [--served-world 8|lanes] [--no-export] [--json PATH]
-    (either: [--inputs text,pre-tokenized])
+    (either: [--inputs text,pre-tokenized] [--corpus FILE.jsonl])
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
 export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
@@ -208,6 +208,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--inputs", default="text,pre-tokenized",
                     help="comma-separated: text, pre-tokenized (default both)")  # fmt: skip
+    ap.add_argument("--corpus", default=None, help="the text input, a JSONL file (default: the "
+                    "demo corpus's code.jsonl, built from this Python's stdlib)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     kinds = args.inputs.split(",")
@@ -219,7 +221,8 @@ def main(argv=None) -> int:
     have = usable_cpus()
     cores = ([int(c) for c in args.cores.split(",")] if args.cores else
              [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= have])  # fmt: skip
-    corpus = build_demo_corpus() / "code.jsonl"
+    # The demo corpus is the running Python's stdlib: pass the same file to compare machines.
+    corpus = Path(args.corpus) if args.corpus else build_demo_corpus() / "code.jsonl"
     work = Path(tempfile.mkdtemp(prefix="bench-lanes-"))
     base = {"seq_len": SEQ_LEN, "global_batch_size": BATCH, "packing": {"mode": "concat"}}
     text = base | {"streams": {"code": {"paths": [str(corpus)], "repeat": args.epochs}}}
