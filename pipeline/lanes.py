@@ -426,12 +426,10 @@ class LanedFeed:
         # Where each lane runs (asked now, read once answered) and the steps it held when it
         # last answered (holding lanes): metrics `lanes`.
         self._processes = [lane.call("process") for lane in self.lanes]
-        self._held = [0] * K
-        # The seconds `next_step` waited for the lanes' answers (metrics `lanes_waited_s`), and
-        # per lane its making time (wall, CPU) when it last answered (holding lanes; metrics
-        # `lanes`): a step waits for its slowest lane, the one busy nearly all the time.
+        self._last: list[Receipt] = [Receipt(0, 0, [], [])] * K  # each lane's latest receipt
+        # The seconds `next_step` waited for the lanes' answers (metrics `lanes_waited_s`):
+        # a step waits for its slowest lane, the one whose making time keeps pace (`_last`).
         self.waited_s = 0.0
-        self._making = [(0.0, 0.0)] * K
         self.rejects: list[Reject] = []
         self.on_reject = on_reject
         # False (the batch server): `summary` answers with the lanes' last summaries and asks
@@ -532,9 +530,7 @@ class LanedFeed:
         if self.hold:
             for k, (steps, _) in enumerate(answers):
                 if steps:
-                    last = steps[-1][0]
-                    self._held[k] = last.held
-                    self._making[k] = (last.making_s, last.making_cpu_s)
+                    self._last[k] = steps[-1][0]
         self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
         while not isinstance(self.lanes[0], _Local) and len(self._pending) < IN_FLIGHT:
@@ -604,9 +600,10 @@ class LanedFeed:
             if lane.ready(call):
                 with contextlib.suppress(Exception):  # a lane that died says nothing
                     where = lane.get(call)
-            making, cpu = self._making[k] if self.hold else (None, None)
-            out.append({"lane": k, **where, "held_steps": self._held[k] if self.hold else None,
-                        "making_s": making, "making_cpu_s": cpu})  # fmt: skip
+            last = self._last[k] if self.hold else None
+            out.append({"lane": k, **where, "held_steps": last and last.held,
+                        "making_s": last and last.making_s,
+                        "making_cpu_s": last and last.making_cpu_s})  # fmt: skip
         return out
 
     def _batch(self, made) -> pa.RecordBatch:
