@@ -44,7 +44,7 @@ from pipeline.state.resume import (
 from pipeline.state.summary import RunSummary, RunTotals, run_totals, summarize
 from pipeline.tokenize.engines import load_tokenizer
 from wire.lanes import rank_meta, rank_rows, runs_of
-from wire.schema import build_batch, with_metadata
+from wire.schema import build_batches, with_metadata
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,35 @@ class Feed:
 
     def next_step(self) -> pa.RecordBatch | None:
         """The next global step (G rows; the last may be short), or None when the data ends."""
+        made = self.steps(1)
+        return made[0][0] if made else None
+
+    def steps(self, n: int, state_every: int = 0) -> list[tuple[pa.RecordBatch, dict | None]]:
+        """Up to `n` next steps (fewer when the data ends), each with the state after it when
+        its number of done steps is a multiple of `state_every`. The steps' rows are packed
+        one step at a time (the mixer begins each) and assembled in one pass
+        (wire/schema.py `build_batches`): the same batches as `n` calls of `next_step`."""
+        rows, states = [], []
+        for _ in range(n):
+            step_rows = self._step_rows()
+            if step_rows is None:
+                break
+            rows.append(step_rows)
+            states.append(self.get_state() if state_every and self.step % state_every == 0
+                          else None)  # fmt: skip
+        if not rows:
+            return []
+        first = self.step - len(rows)
+        meta = {"seq_len": self.cfg.seq_len, "config_hash": self.config_hash,
+                **({} if self.full_batches else {"layout": "compact"})}  # fmt: skip
+        batches = build_batches(rows, self.cfg.seq_len, self.pad_id, self.names,
+                                self.full_batches)  # fmt: skip
+        return [(with_metadata(b, global_step=first + i, **meta), state)
+                for i, (b, state) in enumerate(zip(batches, states, strict=True))]  # fmt: skip
+
+    def _step_rows(self) -> list[Row] | None:
+        """The next step's rows, packed and counted (the step is then done), or None when the
+        data ends."""
         if self.finished:
             return None
         G = self.step_rows
@@ -198,24 +227,16 @@ class Feed:
             self.finished = True
             if not rows or self.cfg.drop_last:
                 return None
-        batch = build_batch(rows, self.cfg.seq_len, self.pad_id, self.names, self.full_batches)
         for row in rows:
             for seg in row:
                 self.real_tokens += seg.length
                 if seg.offset == 0:
                     self.docs_emitted[seg.doc.stream] += 1
         self.rows += len(rows)
-        batch = with_metadata(
-            batch,
-            global_step=self.step,
-            seq_len=self.cfg.seq_len,
-            config_hash=self.config_hash,
-            **({} if self.full_batches else {"layout": "compact"}),
-        )
         self.step += 1
         if self.first_step_at is None:
             self.first_step_at = time.monotonic()
-        return batch
+        return rows
 
     def set_weights(self, weights: dict[str, float], effective_step: int | None = None,
                     source: str = "api") -> int:  # fmt: skip
@@ -287,6 +308,8 @@ def next_steps(
 ) -> list[tuple[pa.RecordBatch, dict | None]]:
     """Up to `n` steps, each with the state after it when its number of done steps is a
     multiple of `state_every` (the state a resumed run needs to continue right after it)."""
+    if isinstance(feed, Feed):
+        return feed.steps(n, state_every)
     out = []
     for _ in range(n):
         batch = feed.next_step()

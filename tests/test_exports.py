@@ -417,3 +417,38 @@ def test_a_reply_run_decodes_to_each_step_of_the_rank(tmp_path, monkeypatch, dec
             for name, want in tensor_columns(part).items():
                 assert np.array_equal(g[name].numpy(), want.reshape(part.num_rows, SEQ)), name
         assert got[5]["input_ids"].shape == ((1 if rank < 2 else 0), SEQ)
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "compact"])
+@pytest.mark.parametrize("chat", [False, True], ids=["pretrain", "chat"])
+def test_steps_assembled_together_are_the_steps_made_one_by_one(tmp_path, chat, full):
+    """`Feed.steps(n)` packs n steps and assembles their rows in one pass: each batch, its
+    schema (compact: labels only on a step whose rows carry a loss mask), its metadata and
+    its IPC bytes are those of `next_step` called n times, through the short last step; the
+    states after each step are the same too."""
+    from pipeline.feed import Feed
+    from wire.arrays import to_ipc
+
+    cfg = _config(_corpus(tmp_path), chat, mode="concat")
+    raw = cfg.model_dump(mode="json") | {"global_batch_size": 3}
+    if chat:  # a few chats: steps with a loss mask and steps without
+        raw["streams"]["code"]["weight"], raw["streams"]["chat"]["weight"] = 0.95, 0.05
+    cfg = parse_config(raw)
+    alone, together = (Feed(cfg, executor=iter_blocks_local) for _ in range(2))
+    alone.full_batches = together.full_batches = full
+    want = []
+    while (b := alone.next_step()) is not None:
+        want.append((b, alone.get_state()))
+    got = []
+    while made := together.steps(3, state_every=1):
+        got += made
+    assert len(want) > 3 and len(got) == len(want)
+    assert want[-1][0].num_rows < cfg.global_batch_size, "the short last step is covered"
+    schemas = set()
+    for (w, w_state), (g, g_state) in zip(want, got, strict=True):
+        assert g.schema.equals(w.schema, check_metadata=True)
+        assert g.equals(w) and to_ipc(g) == to_ipc(w)
+        assert g_state == w_state
+        schemas.add(tuple(g.schema.names))
+    if chat and not full:
+        assert len(schemas) == 2, "steps with and without a loss mask both occur"

@@ -8,6 +8,8 @@ Building arrays from their buffers never asks, and copies nothing.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pyarrow as pa
 
@@ -19,7 +21,7 @@ def numeric(a: np.ndarray) -> pa.Array:
     return pa.Array.from_buffers(pa.from_numpy_dtype(a.dtype), len(a), [None, pa.py_buffer(a)])
 
 
-def strings(values: list[str | None]) -> pa.Array:
+def strings(values: Sequence[str | None]) -> pa.Array:
     """Python strings (None: null) as an Arrow string array."""
     valid = np.array([v is not None for v in values], dtype=bool)
     if not valid.any():
