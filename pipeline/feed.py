@@ -38,6 +38,7 @@ from pipeline.state.resume import (
     STATE_VERSION,
     STEP,
     VERSION,
+    Kept,
     check_state,
     seal,
 )
@@ -157,6 +158,10 @@ class Feed:
                 },
             }
         )
+
+    def kept_state(self) -> Kept:
+        """`get_state`, kept (the batch server keeps one for every recent step)."""
+        return Kept.of(self.get_state())
 
     def set_state(self, state: dict) -> None:
         """Resume from a state checked by `states.check_state` (of this version). With a

@@ -55,15 +55,14 @@ from pipeline.state.resume import (
     CONFIG_HASH,
     DOCS_EMITTED,
     FEED,
-    LANES,
     PACKER,
     REAL_TOKENS,
     ROWS,
     STATE_VERSION,
     STEP,
-    VERSION,
+    Kept,
     check_laned_state,
-    seal,
+    nest_kept,
 )
 from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describe_lengths
 from wire.arrays import from_ipc, to_ipc, view
@@ -208,7 +207,7 @@ class LaneWorker:
         self.making_s = self.making_cpu_s = 0.0  # Receipt `making_s`, `making_cpu_s`
 
     def steps(self, n: int, state_every: int, release_below: int | None = None
-              ) -> tuple[list[tuple[Any, dict | None]], list[Reject]]:  # fmt: skip
+              ) -> tuple[list[tuple[Any, Kept | None]], list[Reject]]:  # fmt: skip
         """Up to `n` next steps of this lane, each with its state when `state_every` says so,
         and the rejects met making them. Holding (`hold`): receipts instead of the steps, and
         the steps before `release_below` (every rank has them) are let go first."""
@@ -218,7 +217,8 @@ class LaneWorker:
                     del self.held[step]
         first = self.feed.step
         wall, cpu = time.monotonic(), time.thread_time()
-        made = next_steps(self.feed, n, state_every)
+        made = [(b, None if s is None else Kept.of(s))
+                for b, s in next_steps(self.feed, n, state_every)]  # fmt: skip
         self.making_s += time.monotonic() - wall
         self.making_cpu_s += time.thread_time() - cpu
         rejects = list(self.feed.rejects)
@@ -292,9 +292,9 @@ class LaneWorker:
         a lane to a core)."""
         return {"pid": os.getpid(), "host": socket.gethostname()}
 
-    def state(self) -> dict:
-        """The lane's state now (before its first step: where it starts)."""
-        return self.feed.get_state()
+    def state(self) -> Kept:
+        """The lane's state now (before its first step: where it starts), kept."""
+        return Kept.of(self.feed.get_state())
 
     def summary(self) -> tuple[RunSummary, dict[str, list[int]]]:
         """The lane's summary, and its sampled document lengths per stream (for the join)."""
@@ -462,7 +462,7 @@ class LanedFeed:
         self._asked = self.step  # steps asked of every lane: the first step no lane has begun
         self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
         # The state after the last step handed out; at the start, the lanes' own.
-        self._state: dict | None = (
+        self._state: Kept | None = (
             self._nest([lane.get(lane.call("state")) for lane in self.lanes])
             if state_every
             else None
@@ -609,9 +609,8 @@ class LanedFeed:
     def _batch(self, made) -> pa.RecordBatch:
         return from_ipc(made) if isinstance(made, bytes) else made
 
-    def _nest(self, states: list[dict]) -> dict:
-        return seal({VERSION: STATE_VERSION, CONFIG_HASH: self.config_hash,
-                     STEP: int(states[0][STEP]), LANES: states})  # fmt: skip
+    def _nest(self, states: list[Kept]) -> Kept:
+        return nest_kept(STATE_VERSION, self.config_hash, states)
 
     def _count(self, receipts: list[Receipt]) -> None:
         """What was served (a step's parts): rows, tokens, and per stream its tokens and
@@ -626,7 +625,11 @@ class LanedFeed:
     def get_state(self) -> dict:
         """The state after the last step handed out: the lanes' states at that step, nested
         and sealed. Lanes make states only every `state_every` steps (they run ahead)."""
-        if self._state is None or self._state[STEP] != self.step:
+        return self.kept_state().unpack()
+
+    def kept_state(self) -> Kept:
+        """`get_state`, kept (the batch server keeps one for every recent step)."""
+        if self._state is None or self._state.step != self.step:
             raise ValueError(
                 f"a laned feed has states every {self.state_every} steps (state_every), not at "
                 f"step {self.step}"

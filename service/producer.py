@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from pipeline.feed import Feed
 from pipeline.lanes import LanedFeed
+from pipeline.state.resume import Kept
 from service.window import StepWindow
 from wire.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
 
@@ -40,14 +41,15 @@ class Producer:
         # wait (the mixing policy waits for a window's loss). True: it changed the weights of
         # that step, so the step's kept state is taken again (a replay from it decides alike).
         self.gate = gate
-        self.states: OrderedDict[int, dict] = OrderedDict({feed.step: feed.get_state()})
+        # step -> the state at it, kept (a dict again with `unpack`, when asked for)
+        self.states: OrderedDict[int, Kept] = OrderedDict({feed.step: feed.kept_state()})
         self.state = STARTING
         self.error: str | None = None
         self.paused = False
         self.busy = False  # inside feed.next_step(): that step's weights are fixed
         self.gating = False  # inside `gate`
         # step -> its state before `gate` changed its weights (a rank may hold that one)
-        self.decided_from: dict[int, dict] = {}
+        self.decided_from: dict[int, Kept] = {}
         # The first step whose production has not begun: where a weight change takes effect.
         # Changed only under the lock and never backwards, even when the step being made
         # turns out to be past the end of the data.
@@ -119,7 +121,7 @@ class Producer:
                     if changed:  # the state a rank may have taken before stays acceptable
                         if step in self.states:
                             self.decided_from[step] = self.states[step]
-                        self.states[step] = self.feed.get_state()
+                        self.states[step] = self.feed.kept_state()
                     if self._stop:
                         return
                     if self.paused or not self.window.room():
@@ -138,7 +140,7 @@ class Producer:
                         self._changed()
                         return
                     self.window.add(self.feed.step - 1, batch)
-                    self.states[self.feed.step] = self.feed.get_state()
+                    self.states[self.feed.step] = self.feed.kept_state()
                     while len(self.states) > self.keep_states:
                         old, _ = self.states.popitem(last=False)
                         self.decided_from.pop(old, None)

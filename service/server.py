@@ -118,6 +118,11 @@ def _ranges(steps: list[int]) -> str:
     return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
 
 
+def _unpack(kept) -> dict | None:
+    """A state the producer keeps (pipeline/state/resume.py `Kept`) as a dict; None stays."""
+    return None if kept is None else kept.unpack()
+
+
 def _bare(state: dict) -> dict:
     """A state without the loss the mixing policy carries in it (`state`), as the producer
     keeps it: what tells whether a resuming rank's state is a step still held."""
@@ -593,8 +598,9 @@ class BatchServer:
             if step not in states:
                 held = f"{next(iter(states))}..{max(states)}" if states else "none"
                 raise StepGone(f"no state for step {step} (states held: {held})")
-            state = states[step]
+            kept = states[step]
             producer = self.producer
+        state = kept.unpack()
         if self.steering is not None:  # with the loss its resume decides from
             return self.steering.attach(state, step, lambda: producer.stopping, wait_s)
         return state
@@ -628,7 +634,8 @@ class BatchServer:
         with self._seek_lock:
             with self._cond:
                 held = step in self.window.steps or step == self.window.produced
-                kept = (self.producer.states.get(step), self.producer.decided_from.get(step))
+                kept = (_unpack(self.producer.states.get(step)),
+                        _unpack(self.producer.decided_from.get(step)))  # fmt: skip
                 if held and _bare(state) in (*kept, self._seeked):
                     return step
             carried = self._carried(state)
@@ -686,7 +693,7 @@ class BatchServer:
                     raise ValueError(f"the data ended at step {self.window.produced}: "
                                      "nothing is left to leave out")  # fmt: skip
                 step = self.feed.step
-                state = self.producer.states[step]
+                state = self.producer.states[step].unpack()
                 assert step == self.window.produced  # paused and idle: nothing is being made
             try:
                 feed = self._make_feed(state, leave_out=chosen)
@@ -739,10 +746,11 @@ class BatchServer:
             rest = [s for s in steps if s not in batches]
             states = self.producer.states
             base = max((k for k in states if k <= rest[0]), default=None) if rest else None
-            state = None if base is None else states[base]
+            kept = None if base is None else states[base]
             held = f"{next(iter(states))}..{max(states)}" if states else "none"
         if steps[-1] >= produced:
             raise StepGone(f"step {steps[-1]} has not been produced yet (produced: {produced})")
+        state = _unpack(kept)
         from pipeline.lanes import LanedStep
 
         for s, held in batches.items():  # rows the lanes hold: joined here (a rare call)

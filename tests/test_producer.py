@@ -46,7 +46,7 @@ def test_fills_the_window_waits_for_room_and_keeps_states(parts):
         assert window.take(0, 1, 0) is not None
         cond.notify_all()
     until(lambda: window.produced == 4)
-    assert producer.states[4]["step"] == 4
+    assert producer.states[4].unpack()["step"] == 4
 
 
 def test_pause_stops_production(parts):

@@ -170,3 +170,38 @@ def test_every_mutation_is_refused_or_resumes_exactly(run, data):
             assert feed.next_step().equals(want), f"mutating {path} resumed into other data"
     finally:
         feed.close()
+
+
+def test_a_kept_laned_state_is_the_sealed_nest_of_its_lanes(tmp_path):
+    """The batch server keeps each step's state as JSON text (`Kept`), a laned one nested
+    from its lanes' kept states without decoding them (`nest_kept`): unpacked, it is the
+    state a nest of the lanes' dicts seals to, digest included, and it resumes as one."""
+    from pipeline.state.resume import (
+        CONFIG_HASH,
+        LANES,
+        STATE_VERSION,
+        STEP,
+        VERSION,
+        Kept,
+        check_laned_state,
+        nest_kept,
+        seal,
+    )  # fmt: skip
+    from tests.conftest import stdlib_texts, write_jsonl
+
+    src = write_jsonl(tmp_path / "a.jsonl", stdlib_texts(8, max_bytes=4_000))
+    cfg = parse_config({"seq_len": 128, "global_batch_size": 4, "lanes": 2,
+                        "streams": {"a": {"paths": [str(src)]}}})  # fmt: skip
+    lanes = [Feed(cfg, executor=iter_blocks_local, lane=k) for k in range(2)]
+    for feed in lanes:
+        feed.steps(3)
+    states = [feed.get_state() for feed in lanes]
+    assert Kept.of(states[0]).unpack() == states[0]
+    want = seal({VERSION: STATE_VERSION, CONFIG_HASH: cfg.config_hash(), STEP: 3,
+                 LANES: states})  # fmt: skip
+    kept = nest_kept(STATE_VERSION, cfg.config_hash(), [Kept.of(s) for s in states])
+    assert kept.step == 3 and kept.digest == want["digest"]
+    assert kept.unpack() == want
+    names = list(cfg.streams)
+    got = check_laned_state(kept.unpack(), cfg.config_hash(), names, False, cfg.packing.mode, 2)
+    assert got == states
