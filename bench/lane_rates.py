@@ -9,7 +9,11 @@ a text stream (`--corpus`, default the demo corpus's code.jsonl, read `repeat` 1
 2048, global batch 32, concat. Per lane: tokens/s over `--steps` lane steps after a warm-up
 call, and the share of its characters that the HF check encoded again
 (`LoadedTokenizer.encode_verified`, `verify_sample`). Then the slowest lane, the spread, and
-K × the slowest: the laned feed's bound on this core's speed.
+K × the slowest: the laned feed's bound on this core's speed. Then the baseline, measured in
+the same run: one lane of `lanes: 1` (the whole step, G rows) alone, and the ratio the
+16-core goal turns on, K × the slowest ÷ (K × the one lane's rate): what a core making a
+lane's share of each step keeps of what it makes as the only lane (a lane's cost is partly
+per step, whatever its rows).
 
 The demo corpus is the running Python's standard library, so it differs between Pythons: with
 Python 3.12's, lane 0 of 16 holds one 796k-character document, which the HF check used to
@@ -27,7 +31,7 @@ from pathlib import Path
 SEQ_LEN, BATCH = 2048, 32
 
 
-def lane_rates(corpus: str, lanes: int, steps: int) -> list[dict]:
+def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = None) -> list[dict]:
     """Each lane's tokens/s making `steps` lane steps alone, and its checked share."""
     from pipeline.lanes import LaneWorker
     from pipeline.read.resolve import parse_config
@@ -47,7 +51,7 @@ def lane_rates(corpus: str, lanes: int, steps: int) -> list[dict]:
     engines.LoadedTokenizer.encode_verified = counting  # type: ignore[method-assign]
     out = []
     try:
-        for k in range(lanes):
+        for k in range(lanes) if only is None else only:
             lane = LaneWorker(cfg.model_dump(mode="json", context={"reveal_secrets": True}), k,
                               None, False, True, True, False)  # fmt: skip
             lane.steps(16, 0)  # warm: the tokenizer loaded, the first read begun
@@ -88,8 +92,13 @@ def main(argv=None) -> int:
           f"{max(rates) / 1e6:.2f}M (spread x{max(rates) / rates[slow]:.2f}); "
           f"{args.lanes} x the slowest = {args.lanes * rates[slow] / 1e6:.1f}M tokens/s, "
           f"the bound with a core per lane (the sum would be {sum(rates) / 1e6:.1f}M)")  # fmt: skip
+    base = lane_rates(corpus, 1, max(200, args.steps // args.lanes), only=[0])[0]["tokens_per_s"]
+    print(f"one lane (lanes: 1, {BATCH} rows a step): {base / 1e6:.2f}M tokens/s; "
+          f"{args.lanes} x the slowest / ({args.lanes} x one lane) = {rates[slow] / base:.2f}, "
+          f"the mean lane / one lane = {sum(rates) / len(rates) / base:.2f}")  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps({"corpus": corpus, "lanes": rows}, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"corpus": corpus, "lanes": rows,
+                                               "one_lane_tokens_per_s": base}, indent=2) + "\n")  # fmt: skip
     return 0
 
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -46,6 +46,8 @@ from pipeline.state.summary import RunSummary, RunTotals, run_totals, summarize
 from pipeline.tokenize.engines import load_tokenizer
 from wire.lanes import rank_meta, rank_rows, runs_of
 from wire.schema import build_batches, with_metadata
+
+S = TypeVar("S")  # a state as `Feed._steps` takes it: a dict, or kept
 
 
 @dataclass(frozen=True)
@@ -144,24 +146,26 @@ class Feed:
         Small JSON: the packer's state (which nests the mixer's and, per stream, the shuffle
         window's and the read position's) and the feed's counters. Never tokens.
         """
-        return seal(
-            {
-                VERSION: STATE_VERSION,
-                CONFIG_HASH: self.config_hash,
-                STEP: self.step,
-                PACKER: self.packer.get_state(),
-                FEED: {
-                    ROWS: self.rows,
-                    REAL_TOKENS: self.real_tokens,
-                    DOCS_EMITTED: dict(zip(self.names, self.docs_emitted.tolist(), strict=True)),
-                    FINISHED: self.finished,
-                },
-            }
-        )
+        return seal(self._state_body())
 
     def kept_state(self) -> Kept:
-        """`get_state`, kept (the batch server keeps one for every recent step)."""
-        return Kept.of(self.get_state())
+        """`get_state`, kept (the batch server keeps one for every recent step; a lane sends
+        one with each step)."""
+        return Kept.seal(self._state_body())
+
+    def _state_body(self) -> dict:
+        return {
+            VERSION: STATE_VERSION,
+            CONFIG_HASH: self.config_hash,
+            STEP: self.step,
+            PACKER: self.packer.get_state(),
+            FEED: {
+                ROWS: self.rows,
+                REAL_TOKENS: self.real_tokens,
+                DOCS_EMITTED: dict(zip(self.names, self.docs_emitted.tolist(), strict=True)),
+                FINISHED: self.finished,
+            },
+        }
 
     def set_state(self, state: dict) -> None:
         """Resume from a state checked by `states.check_state` (of this version). With a
@@ -197,14 +201,22 @@ class Feed:
         its number of done steps is a multiple of `state_every`. The steps' rows are packed
         one step at a time (the mixer begins each) and assembled in one pass
         (wire/schema.py `build_batches`): the same batches as `n` calls of `next_step`."""
-        rows, states = [], []
+        return self._steps(n, state_every, self.get_state)
+
+    def kept_steps(self, n: int, state_every: int) -> list[tuple[pa.RecordBatch, Kept | None]]:
+        """`steps`, each state kept (`kept_state`: what a lane sends)."""
+        return self._steps(n, state_every, self.kept_state)
+
+    def _steps(self, n: int, state_every: int, state: Callable[[], S]
+               ) -> list[tuple[pa.RecordBatch, S | None]]:  # fmt: skip
+        rows: list[list[Row]] = []
+        states: list[S | None] = []
         for _ in range(n):
             step_rows = self._step_rows()
             if step_rows is None:
                 break
             rows.append(step_rows)
-            states.append(self.get_state() if state_every and self.step % state_every == 0
-                          else None)  # fmt: skip
+            states.append(state() if state_every and self.step % state_every == 0 else None)
         if not rows:
             return []
         first = self.step - len(rows)
@@ -212,8 +224,8 @@ class Feed:
                 **({} if self.full_batches else {"layout": "compact"})}  # fmt: skip
         batches = build_batches(rows, self.cfg.seq_len, self.pad_id, self.names,
                                 self.full_batches)  # fmt: skip
-        return [(with_metadata(b, global_step=first + i, **meta), state)
-                for i, (b, state) in enumerate(zip(batches, states, strict=True))]  # fmt: skip
+        return [(with_metadata(b, global_step=first + i, **meta), st)
+                for i, (b, st) in enumerate(zip(batches, states, strict=True))]  # fmt: skip
 
     def _step_rows(self) -> list[Row] | None:
         """The next step's rows, packed and counted (the step is then done), or None when the

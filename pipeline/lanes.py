@@ -46,7 +46,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import Config, normalize_weights
-from pipeline.feed import Feed, LeaveOut, next_steps
+from pipeline.feed import Feed, LeaveOut
 from pipeline.read.reading import iter_blocks_local, iter_blocks_ray, with_head_start
 from pipeline.stages.documents import Reject
 from pipeline.stages.mixing import DeficitMixer
@@ -217,8 +217,7 @@ class LaneWorker:
                     del self.held[step]
         first = self.feed.step
         wall, cpu = time.monotonic(), time.thread_time()
-        made = [(b, None if s is None else Kept.of(s))
-                for b, s in next_steps(self.feed, n, state_every)]  # fmt: skip
+        made = self.feed.kept_steps(n, state_every)
         self.making_s += time.monotonic() - wall
         self.making_cpu_s += time.thread_time() - cpu
         rejects = list(self.feed.rejects)
@@ -294,7 +293,7 @@ class LaneWorker:
 
     def state(self) -> Kept:
         """The lane's state now (before its first step: where it starts), kept."""
-        return Kept.of(self.feed.get_state())
+        return self.feed.kept_state()
 
     def summary(self) -> tuple[RunSummary, dict[str, list[int]]]:
         """The lane's summary, and its sampled document lengths per stream (for the join)."""

@@ -197,6 +197,8 @@ def test_a_kept_laned_state_is_the_sealed_nest_of_its_lanes(tmp_path):
         feed.steps(3)
     states = [feed.get_state() for feed in lanes]
     assert Kept.of(states[0]).unpack() == states[0]
+    kept_lane = lanes[0].kept_state()  # sealed and kept in one encoding
+    assert kept_lane.unpack() == states[0] and kept_lane.digest == states[0]["digest"]
     want = seal({VERSION: STATE_VERSION, CONFIG_HASH: cfg.config_hash(), STEP: 3,
                  LANES: states})  # fmt: skip
     kept = nest_kept(STATE_VERSION, cfg.config_hash(), [Kept.of(s) for s in states])

@@ -121,8 +121,11 @@ def digest(state: dict) -> str:
 
 
 def _sha(body: dict) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return hashlib.sha256(_canonical(body).encode()).hexdigest()
+
+
+def _canonical(body: dict) -> str:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
 def seal(state: dict) -> dict:
@@ -150,6 +153,16 @@ class Kept:
     def of(cls, state: dict) -> Kept:
         """A sealed state, kept."""
         return cls(int(state[STEP]), state[DIGEST], json.dumps(state, separators=(",", ":")))
+
+    @classmethod
+    def seal(cls, state: dict) -> Kept:
+        """A feed's state (no `lanes`), sealed and kept in one encoding: the text is the
+        canonical JSON the digest is of, with the digest added (`seal(state)`, kept, without
+        encoding it twice: a lane seals a state at every step)."""
+        assert LANES not in state, "a laned state is sealed over its lanes (nest_kept)"
+        canonical = _canonical({k: v for k, v in state.items() if k != DIGEST})
+        sealed = hashlib.sha256(canonical.encode()).hexdigest()
+        return cls(int(state[STEP]), sealed, f'{canonical[:-1]},"{DIGEST}":"{sealed}"}}')
 
     def unpack(self) -> dict:
         return json.loads(self.text)
