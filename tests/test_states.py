@@ -182,7 +182,6 @@ def test_a_kept_laned_state_is_the_sealed_nest_of_its_lanes(tmp_path):
         STATE_VERSION,
         STEP,
         VERSION,
-        Kept,
         check_laned_state,
         nest_kept,
         seal,
@@ -196,12 +195,12 @@ def test_a_kept_laned_state_is_the_sealed_nest_of_its_lanes(tmp_path):
     for feed in lanes:
         feed.steps(3)
     states = [feed.get_state() for feed in lanes]
-    assert Kept.of(states[0]).unpack() == states[0]
-    kept_lane = lanes[0].kept_state()  # sealed and kept in one encoding
-    assert kept_lane.unpack() == states[0] and kept_lane.digest == states[0]["digest"]
+    kept_lanes = [feed.kept_state() for feed in lanes]  # sealed and kept in one encoding
+    for kept_lane, state in zip(kept_lanes, states, strict=True):
+        assert kept_lane.unpack() == state and kept_lane.digest == state["digest"]
     want = seal({VERSION: STATE_VERSION, CONFIG_HASH: cfg.config_hash(), STEP: 3,
                  LANES: states})  # fmt: skip
-    kept = nest_kept(STATE_VERSION, cfg.config_hash(), [Kept.of(s) for s in states])
+    kept = nest_kept(STATE_VERSION, cfg.config_hash(), kept_lanes)
     assert kept.step == 3 and kept.digest == want["digest"]
     assert kept.unpack() == want
     names = list(cfg.streams)

@@ -150,11 +150,6 @@ class Kept:
     text: str  # the sealed state's JSON (with its digest)
 
     @classmethod
-    def of(cls, state: dict) -> Kept:
-        """A sealed state, kept."""
-        return cls(int(state[STEP]), state[DIGEST], json.dumps(state, separators=(",", ":")))
-
-    @classmethod
     def seal(cls, state: dict) -> Kept:
         """A feed's state (no `lanes`), sealed and kept in one encoding: the text is the
         canonical JSON the digest is of, with the digest added (`seal(state)`, kept, without
