@@ -45,7 +45,7 @@ from pipeline.state.resume import (
 from pipeline.state.summary import RunSummary, RunTotals, run_totals, summarize
 from pipeline.tokenize.engines import load_tokenizer
 from wire.lanes import rank_meta, rank_rows, runs_of
-from wire.schema import build_batches, with_metadata
+from wire.schema import StepChunk, build_batches, build_chunk, with_metadata
 
 S = TypeVar("S")  # a state as `Feed._steps` takes it: a dict, or kept
 
@@ -207,8 +207,33 @@ class Feed:
         """`steps`, each state kept (`kept_state`: what a lane sends)."""
         return self._steps(n, state_every, self.kept_state)
 
+    def kept_chunk(self, n: int, state_every: int) -> tuple[StepChunk | None, list[Kept | None]]:
+        """`kept_steps`, the steps' rows in one record batch (wire/schema.py `StepChunk`: what
+        a lane that holds its steps keeps), and their kept states; None when the data ended
+        before the first."""
+        rows, states = self._packed(n, state_every, self.kept_state)
+        if not rows:
+            return None, []
+        chunk = build_chunk(rows, self.cfg.seq_len, self.pad_id, self.names, self.full_batches,
+                            self.step - len(rows), self._meta())  # fmt: skip
+        return chunk, states
+
     def _steps(self, n: int, state_every: int, state: Callable[[], S]
                ) -> list[tuple[pa.RecordBatch, S | None]]:  # fmt: skip
+        rows, states = self._packed(n, state_every, state)
+        if not rows:
+            return []
+        first = self.step - len(rows)
+        batches = build_batches(rows, self.cfg.seq_len, self.pad_id, self.names,
+                                self.full_batches)  # fmt: skip
+        meta = self._meta()
+        return [(with_metadata(b, global_step=first + i, **meta), st)
+                for i, (b, st) in enumerate(zip(batches, states, strict=True))]  # fmt: skip
+
+    def _packed(self, n: int, state_every: int, state: Callable[[], S]
+                ) -> tuple[list[list[Row]], list[S | None]]:  # fmt: skip
+        """Up to `n` next steps' rows, packed one step at a time, each with the state after it
+        when its number of done steps is a multiple of `state_every`."""
         rows: list[list[Row]] = []
         states: list[S | None] = []
         for _ in range(n):
@@ -217,15 +242,12 @@ class Feed:
                 break
             rows.append(step_rows)
             states.append(state() if state_every and self.step % state_every == 0 else None)
-        if not rows:
-            return []
-        first = self.step - len(rows)
-        meta = {"seq_len": self.cfg.seq_len, "config_hash": self.config_hash,
+        return rows, states
+
+    def _meta(self) -> dict:
+        """Every step's metadata but its `global_step`."""
+        return {"seq_len": self.cfg.seq_len, "config_hash": self.config_hash,
                 **({} if self.full_batches else {"layout": "compact"})}  # fmt: skip
-        batches = build_batches(rows, self.cfg.seq_len, self.pad_id, self.names,
-                                self.full_batches)  # fmt: skip
-        return [(with_metadata(b, global_step=first + i, **meta), st)
-                for i, (b, st) in enumerate(zip(batches, states, strict=True))]  # fmt: skip
 
     def _step_rows(self) -> list[Row] | None:
         """The next step's rows, packed and counted (the step is then done), or None when the

@@ -66,8 +66,10 @@ from pipeline.state.resume import (
 )
 from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describe_lengths
 from wire.arrays import from_ipc, to_ipc, view
-from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, rank_meta, runs_of
+from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, rank_meta
 from wire.layout import compact, step_path, write_step
+from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
+from wire.schema import StepChunk
 
 STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane), at least
 
@@ -142,6 +144,36 @@ class Writes:
 
 
 @dataclass(frozen=True)
+class LaneMade:
+    """What a holding lane answers for the steps of one call (`LaneWorker.steps`): their
+    counts, one array per figure for all of them (a Receipt per step and lane cost the control
+    an object to unpickle and a sum each), their kept states, and what it wrote aside."""
+
+    first: int  # the first step's number
+    rows: np.ndarray  # per step
+    real_tokens: np.ndarray  # per step
+    tokens: np.ndarray  # per step and stream (n x S)
+    docs: np.ndarray  # documents started, per step and stream (n x S)
+    states: list  # per step: its state kept, or None
+    written: tuple[tuple[int, ...], ...] = ()  # per step (`writes`): the ranks written aside
+    labels: tuple[bool, ...] = ()  # per step (`writes`): those files keep labels
+    # Receipt's figures for metrics `lanes`, once the lane had made these steps.
+    held: int = 0
+    making_s: float = 0.0
+    making_cpu_s: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def receipt(self, j: int) -> Receipt:
+        """Step j's receipt."""
+        return Receipt(int(self.rows[j]), int(self.real_tokens[j]), self.tokens[j].tolist(),
+                       self.docs[j].tolist(), self.written[j] if self.written else (),
+                       bool(self.labels[j]) if self.labels else False, self.held,
+                       self.making_s, self.making_cpu_s)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class LanedStep:
     """A global step whose rows the lanes hold (the batch server's window holds this, not the
     rows): its number, the lane actors, and how many rows each made. Ranks take their rows
@@ -150,7 +182,13 @@ class LanedStep:
     step: int
     lanes: tuple
     rows: tuple[int, ...]
-    receipts: tuple[Receipt, ...] = ()  # the lanes' receipts, in lane order
+    made: tuple[LaneMade, ...] = ()  # the lanes' answers that hold this step, in lane order
+    index: int = 0  # this step's place in each of them
+
+    @property
+    def receipts(self) -> tuple[Receipt, ...]:
+        """The lanes' receipts of this step, in lane order."""
+        return tuple(m.receipt(self.index) for m in self.made)
 
     @property
     def num_rows(self) -> int:
@@ -193,7 +231,8 @@ class LaneWorker:
         # `hold`: the steps made stay here and the caller gets receipts (the batch server);
         # ranks take their rows (`take`, on threads of their own) until released.
         self.hold = hold
-        self.held: dict[int, pa.RecordBatch] = {}
+        # step -> the chunk that holds it and its place there (wire/schema.py StepChunk)
+        self.held: dict[int, tuple[StepChunk, int]] = {}
         self._held_lock = threading.Lock()
         # `read.in_lanes`: the lane reads and tokenizes its share itself, no block crosses a
         # process (K lanes are K tokenizing processes); else through Ray Data's tasks.
@@ -207,33 +246,42 @@ class LaneWorker:
         self.making_s = self.making_cpu_s = 0.0  # Receipt `making_s`, `making_cpu_s`
 
     def steps(self, n: int, state_every: int, release_below: int | None = None
-              ) -> tuple[list[tuple[Any, Kept | None]], list[Reject]]:  # fmt: skip
+              ) -> tuple[list[tuple[Any, Kept | None]] | LaneMade, list[Reject]]:  # fmt: skip
         """Up to `n` next steps of this lane, each with its state when `state_every` says so,
-        and the rejects met making them. Holding (`hold`): receipts instead of the steps, and
-        the steps before `release_below` (every rank has them) are let go first."""
+        and the rejects met making them. Holding (`hold`): the lane keeps the steps, in one
+        chunk, and answers their counts and states (LaneMade); the steps before
+        `release_below` (every rank has them) are let go first."""
         if release_below is not None:
             with self._held_lock:
                 for step in [s for s in self.held if s < release_below]:
                     del self.held[step]
-        first = self.feed.step
         wall, cpu = time.monotonic(), time.thread_time()
-        made = self.feed.kept_steps(n, state_every)
+        if self.hold:
+            chunk, states = self.feed.kept_chunk(n, state_every)
+        else:
+            made = self.feed.kept_steps(n, state_every)
         self.making_s += time.monotonic() - wall
         self.making_cpu_s += time.thread_time() - cpu
         rejects = list(self.feed.rejects)
         self.feed.rejects.clear()
-        if self.hold:
-            with self._held_lock:
-                for i, (b, _) in enumerate(made):
-                    self.held[first + i] = b
-                held = len(self.held)
-            receipts = [replace(served_counts(b, self.names), held=held, making_s=self.making_s,
-                                making_cpu_s=self.making_cpu_s) for b, _ in made]  # fmt: skip
-            if self.writes is not None:
-                receipts = [replace(r, **self._write(first + i, b))
-                            for i, (r, (b, _)) in enumerate(zip(receipts, made, strict=True))]  # fmt: skip
-            return [(r, s) for r, (_, s) in zip(receipts, made, strict=True)], rejects
-        return [(to_ipc(b) if self.ipc else b, s) for b, s in made], rejects
+        if not self.hold:
+            return [(to_ipc(b) if self.ipc else b, s) for b, s in made], rejects
+        if chunk is None:
+            none = np.zeros(0, dtype=np.int64)
+            flat = np.zeros((0, len(self.names)), dtype=np.int64)
+            return LaneMade(self.feed.step, none, none, flat, flat, []), rejects
+        with self._held_lock:
+            for j in range(len(chunk)):
+                self.held[chunk.first + j] = (chunk, j)
+            held = len(self.held)
+        writes = {}
+        if self.writes is not None:
+            done = [self._write(chunk.first + j, chunk.step(j)) for j in range(len(chunk))]
+            writes = {"written": tuple(d.get("written", ()) for d in done),
+                      "labels": tuple(d.get("labels", False) for d in done)}  # fmt: skip
+        return LaneMade(chunk.first, np.diff(chunk.starts), chunk.real_tokens, chunk.tokens,
+                        chunk.docs, states, **writes, held=held, making_s=self.making_s,
+                        making_cpu_s=self.making_cpu_s), rejects  # fmt: skip
 
     def _write(self, step: int, batch: pa.RecordBatch) -> dict:
         """The files of `step` whose ranks' rows lie in this lane's part, if the part is full
@@ -262,19 +310,47 @@ class LaneWorker:
     def take(self, parts: list[tuple[int, int, int]], rank: int, world_size: int
              ) -> list[tuple[bytes, int]]:  # fmt: skip
         """Rows [lo, hi) of this lane's part of each (step, lo, hi), for rank `rank` of
-        `world_size`: runs of one schema (wire/lanes.py `runs_of`), as Arrow IPC. Runs on the
+        `world_size`: runs of one schema (wire/lanes.py `runs_of`'s runs), as Arrow IPC.
+        Consecutive steps' rows that lie together in one chunk are one slice. Runs on the
         `serve` threads, beside the thread that makes steps."""
         with self._held_lock:
-            pieces = [self._held(s).slice(lo, hi - lo) for s, lo, hi in parts]
-        return [(to_ipc(run), n) for run, n in runs_of(pieces, rank, world_size)]
+            found = [(self._held(s), lo, hi) for s, lo, hi in parts]
+        # Runs of one schema: each its first step's metadata, its pieces (chunk, first row,
+        # end row, step in the chunk) and the rows of each step.
+        runs: list[tuple[dict, list[list], list[int]]] = []
+        names: tuple | None = None
+        for (chunk, j), lo, hi in found:
+            step_names = chunk.names(j)
+            if step_names != names:
+                runs.append((chunk.metadata(j), [], []))
+                names = step_names
+            _, pieces, step_rows = runs[-1]
+            start = int(chunk.starts[j]) + lo
+            if pieces and pieces[-1][0] is chunk and pieces[-1][2] == start:
+                pieces[-1][2] = start + hi - lo  # right after the last piece: one slice
+            else:
+                pieces.append([chunk, start, start + hi - lo, j])
+            step_rows.append(hi - lo)
+        out = []
+        for meta, pieces, step_rows in runs:
+            batches = [
+                c.part(j, a - int(c.starts[j]), b - int(c.starts[j])) for c, a, b, j in pieces
+            ]
+            joined = pa.concat_batches(batches) if len(batches) > 1 else batches[0]
+            meta = meta | {META_RANK: str(rank), META_WORLD_SIZE: str(world_size),
+                           META_STEP_ROWS: ",".join(map(str, step_rows))}  # fmt: skip
+            out.append((to_ipc(joined.replace_schema_metadata(meta)), len(step_rows)))
+        return out
 
     def part(self, step: int) -> bytes:
         """This lane's part of held step `step` as it was made (Arrow IPC): `LanedStep.whole`."""
         with self._held_lock:
-            return to_ipc(self._held(step))
+            chunk, j = self._held(step)
+        return to_ipc(chunk.step(j))
 
-    def _held(self, step: int) -> pa.RecordBatch:
-        """Held step `step` (under `_held_lock`), or a LookupError naming what is held."""
+    def _held(self, step: int) -> tuple[StepChunk, int]:
+        """Where held step `step` is (under `_held_lock`), or a LookupError naming what is
+        held."""
         if step not in self.held:
             held = f"{min(self.held)}..{max(self.held)}" if self.held else "none"
             raise LookupError(
@@ -425,7 +501,9 @@ class LanedFeed:
         # Where each lane runs (asked now, read once answered) and the steps it held when it
         # last answered (holding lanes): metrics `lanes`.
         self._processes = [lane.call("process") for lane in self.lanes]
-        self._last: list[Receipt] = [Receipt(0, 0, [], [])] * K  # each lane's latest receipt
+        self._last: list[Receipt | LaneMade] = [
+            Receipt(0, 0, [], [])
+        ] * K  # each lane's latest receipt
         # The seconds `next_step` waited for the lanes' answers (metrics `lanes_waited_s`):
         # a step waits for its slowest lane, the one whose making time keeps pace (`_last`).
         self.waited_s = 0.0
@@ -482,8 +560,8 @@ class LanedFeed:
             self.step += 1
             self.mixer.begin_step(self.step)
             if self.hold:
-                made, receipts = made
-                self._count(receipts)
+                made, counts = made
+                self._add(*counts)
             else:
                 self._count([served_counts(made, self.names)])
         return made
@@ -527,9 +605,9 @@ class LanedFeed:
         answers = [self._answer(k, call) for k, call in enumerate(asked)]
         self.waited_s += time.monotonic() - t
         if self.hold:
-            for k, (steps, _) in enumerate(answers):
-                if steps:
-                    self._last[k] = steps[-1][0]
+            for k, (lane_made, _) in enumerate(answers):
+                if len(lane_made):
+                    self._last[k] = lane_made
         self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
         while not isinstance(self.lanes[0], _Local) and len(self._pending) < IN_FLIGHT:
@@ -545,21 +623,30 @@ class LanedFeed:
                     self.rejects.append(reject)
         made = [steps for steps, _ in answers]
         per_lane = self.cfg.global_batch_size // self.cfg.lanes
+        if self.hold:  # what the steps count, summed over the lanes at once
+            m = min(len(lane_made) for lane_made in made)
+            rows = np.stack([lane_made.rows[:m] for lane_made in made], axis=1).tolist()
+            counts = [sum(lane_made.rows[:m] for lane_made in made),
+                      sum(lane_made.real_tokens[:m] for lane_made in made),
+                      sum(lane_made.tokens[:m] for lane_made in made),
+                      sum(lane_made.docs[:m] for lane_made in made)]  # fmt: skip
         for j in range(n):
             if any(len(steps) <= j for steps in made):
                 self.finished = True  # a lane has no step here: the sequence ends before it
                 return
-            states = [steps[j][1] for steps in made]
             if self.hold:
-                receipts = [steps[j][0] for steps in made]
-                rows = tuple(r.rows for r in receipts)
+                states = [lane_made.states[j] for lane_made in made]
                 step = self.step + len(self._ready)  # the steps before it are ready
-                made_step: Any = (LanedStep(step, self._handles, rows, tuple(receipts)), receipts)
+                step_rows = tuple(rows[j])
+                laned = LanedStep(step, self._handles, step_rows, tuple(made), j)
+                made_step: Any = (laned, [int(counts[0][j]), int(counts[1][j]), counts[2][j],
+                                          counts[3][j]])  # fmt: skip
             else:
+                states = [steps[j][1] for steps in made]
                 batches = [self._batch(steps[j][0]) for steps in made]
-                rows = tuple(b.num_rows for b in batches)
+                step_rows = tuple(b.num_rows for b in batches)
                 made_step = join_parts(batches)
-            short = any(r < per_lane for r in rows)
+            short = any(r < per_lane for r in step_rows)
             if short and self.cfg.drop_last:
                 self.finished = True
                 return
@@ -614,12 +701,18 @@ class LanedFeed:
     def _count(self, receipts: list[Receipt]) -> None:
         """What was served (a step's parts): rows, tokens, and per stream its tokens and
         documents started."""
-        self.first_step_at = self.first_step_at or time.monotonic()
         for r in receipts:
-            self.rows += r.rows
-            self.real_tokens += r.real_tokens
-            self.tokens += np.asarray(r.tokens, dtype=np.int64)
-            self.docs_emitted += np.asarray(r.docs, dtype=np.int64)
+            self._add(r.rows, r.real_tokens, np.asarray(r.tokens, dtype=np.int64),
+                      np.asarray(r.docs, dtype=np.int64))  # fmt: skip
+
+    def _add(self, rows: int, real_tokens: int, tokens: np.ndarray, docs: np.ndarray) -> None:
+        """A step served: its rows, real tokens, and per stream its tokens and documents
+        started."""
+        self.first_step_at = self.first_step_at or time.monotonic()
+        self.rows += rows
+        self.real_tokens += real_tokens
+        self.tokens += tokens
+        self.docs_emitted += docs
 
     def get_state(self) -> dict:
         """The state after the last step handed out: the lanes' states at that step, nested

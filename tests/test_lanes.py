@@ -70,6 +70,58 @@ def test_lanes_must_divide_the_step(streams):
         config(streams, 3)
 
 
+@pytest.mark.parametrize("full", [True, False], ids=["full", "compact"])
+def test_a_lane_holding_chunks_gives_each_rank_the_steps_made_one_by_one(streams, full):
+    """A holding lane keeps each call's steps in one chunk (wire/schema.py StepChunk) and
+    slices a rank's rows out when it takes them. For world sizes 1, 2, 4 and 8, the runs a
+    rank takes (rows, schema, metadata, steps per run), across chunks and across steps with
+    and without `labels`, are those that `runs_of` joins from the lane's steps made one by
+    one; each step's part, receipt and state are that step's."""
+    from pipeline.lanes import LaneWorker, served_counts
+    from wire.arrays import from_ipc
+    from wire.lanes import lane_parts, runs_of
+
+    few_chats = {
+        "code": streams["code"] | {"weight": 0.9},
+        "chat": streams["chat"] | {"weight": 0.1},
+    }
+    cfg = config(few_chats, 2)
+    cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
+    plain = LaneWorker(cfg_json, 1, None, False, full, True, False)
+    held = LaneWorker(cfg_json, 1, None, False, full, True, False, hold=True)
+    want: list = []
+    while True:
+        got, _ = plain.steps(3, 1)
+        made, _ = held.steps(3, 1)
+        assert len(made) == len(got) and made.first == len(want)
+        for j, (batch, state) in enumerate(got):
+            assert made.states[j] == state
+            r, c = made.receipt(j), served_counts(batch, list(cfg.streams))
+            assert (r.rows, r.real_tokens, r.tokens, r.docs) == (c.rows, c.real_tokens, c.tokens,
+                                                                 c.docs)  # fmt: skip
+            assert from_ipc(held.part(made.first + j)).equals(batch, check_metadata=True)
+        want += [batch for batch, _ in got]
+        if not got:
+            break
+    whole = [s for s, b in enumerate(want) if b.num_rows == 4]
+    assert len(whole) > 6
+    schemas = {tuple(b.schema.names) for b in want}
+    assert len(schemas) == (1 if full else 2), "steps with and without labels both occur"
+    for world in (1, 2, 4, 8):
+        for rank in range(world):
+            parts = [(s, lo, hi) for s in whole
+                     for k, lo, hi in lane_parts([4, 4], rank, world, 8) if k == 1]  # fmt: skip
+            for at in range(0, len(parts), 5):  # 5 steps a call: across chunks of 3
+                asked = parts[at : at + 5]
+                runs = held.take(asked, rank, world)
+                expect = runs_of([want[s].slice(lo, hi - lo) for s, lo, hi in asked], rank, world)
+                assert [n for _, n in runs] == [n for _, n in expect]
+                for (ipc, _), (batch, _) in zip(runs, expect, strict=True):
+                    assert from_ipc(ipc).equals(batch, check_metadata=True), (world, rank, at)
+    held.close()
+    plain.close()
+
+
 def test_the_partition_is_balanced_and_deterministic():
     works = [100, 5, 70, 70, 30, 1, 1, 60, 40]
     shares = lane_shares(works, 3)

@@ -10,6 +10,7 @@ it.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -60,6 +61,122 @@ def build_batches(
     numpy arrays at offset 0 (no Arrow slice, so `.values` and IPC see only its rows), and
     each keeps its own schema: in the compact layout, `labels` only where its rows carry a
     loss mask, as built alone."""
+    a = _assemble(steps, seq_len, pad_id, full)
+    L = seq_len
+    stream_values = strings(stream_names)
+    schema = batch_schema(L)
+    out = []
+    r0 = 0
+    for j, step in enumerate(steps):
+        r1 = r0 + len(step)
+        s0, s1 = int(a.row_offsets[r0]), int(a.row_offsets[r1])
+        # compact: labels only where a row of this step carries a loss mask
+        names = list(FIXED) if full else ["input_ids", *(["labels"] if a.masked[j] else [])]
+        arrays = [_fixed(a.cols[n][r0 * L : r1 * L], L) for n in names]
+        offsets = numeric((a.row_offsets[r0 : r1 + 1] - s0).astype(np.int32))
+        arrays += _segment_lists(a, offsets, s0, s1, stream_values)
+        names += list(SEGMENT)
+        out.append(pa.RecordBatch.from_arrays(
+            arrays, schema=schema if full else pa.schema([schema.field(n) for n in names])
+        ))  # fmt: skip
+        r0 = r1
+    return out
+
+
+@dataclass(frozen=True)
+class StepChunk:
+    """Consecutive steps' rows in one record batch (`build_chunk`), and what each step
+    counts: what a lane that holds its steps keeps (pipeline/lanes.py `LaneWorker`).
+
+    Built per step, a lane of 16 paid for ~12 Arrow objects and a receipt per step of two
+    rows; as a chunk it pays them once per call, and a step's rows are sliced out when a
+    rank takes them (`part`). `step(j)` is step j as `build_batches` and the feed make it:
+    the same schema (in the compact layout, `labels` only where its rows carry a loss mask)
+    and metadata, and the same bytes."""
+
+    batch: pa.RecordBatch  # every step's rows; `labels` in the compact layout if any needs it
+    first: int  # the first step's number
+    starts: np.ndarray  # row where each step begins, and the end (n + 1)
+    masked: np.ndarray  # per step: a row carries a loss mask (compact: it keeps `labels`)
+    full: bool
+    meta: dict[str, str]  # every step's metadata but its `global_step`
+    real_tokens: np.ndarray  # per step
+    tokens: np.ndarray  # per step and stream (n x S)
+    docs: np.ndarray  # documents started, per step and stream (n x S)
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def rows(self, j: int) -> int:
+        return int(self.starts[j + 1] - self.starts[j])
+
+    def labelled(self, j: int) -> bool:
+        """Does step j's batch have a `labels` column?"""
+        return self.full or bool(self.masked[j])
+
+    def names(self, j: int) -> tuple[str, ...]:
+        """Step j's columns."""
+        names = tuple(self.batch.schema.names)
+        return names if self.labelled(j) else tuple(n for n in names if n != "labels")
+
+    def part(self, j: int, lo: int, hi: int) -> pa.RecordBatch:
+        """Rows [lo, hi) of step j, in step j's schema, without metadata."""
+        part = self.batch.slice(int(self.starts[j]) + lo, hi - lo)
+        if not self.labelled(j) and "labels" in part.schema.names:
+            part = part.drop_columns(["labels"])
+        return part
+
+    def metadata(self, j: int) -> dict[str, str]:
+        return {"global_step": str(self.first + j), **self.meta}
+
+    def step(self, j: int) -> pa.RecordBatch:
+        """Step j, as it was made."""
+        return self.part(j, 0, self.rows(j)).replace_schema_metadata(self.metadata(j))
+
+
+def build_chunk(
+    steps: list[list], seq_len: int, pad_id: int, stream_names: list[str], full: bool,
+    first: int, meta: dict,
+) -> StepChunk:  # fmt: skip
+    """`steps` (each a list of rows, the first numbered `first`) as one StepChunk: the rows
+    of `build_batches`, in one record batch, and each step's counts (`meta`: every step's
+    metadata but its `global_step`)."""
+    a = _assemble(steps, seq_len, pad_id, full)
+    L, n = seq_len, len(steps)
+    names = list(FIXED) if full else ["input_ids", *(["labels"] if a.masked.any() else [])]
+    arrays = [_fixed(a.cols[c], L) for c in names]
+    arrays += _segment_lists(a, numeric(a.row_offsets.astype(np.int32)), 0, len(a.lens),
+                             strings(stream_names))  # fmt: skip
+    schema = batch_schema(L)
+    batch = pa.RecordBatch.from_arrays(
+        arrays, schema=pa.schema([schema.field(c) for c in [*names, *SEGMENT]])
+    )
+    S = len(stream_names)
+    step_of_seg = np.repeat(np.arange(n, dtype=np.int64), a.step_segs)
+    key = step_of_seg * S + a.streams
+    tokens = np.bincount(key, weights=a.lens, minlength=n * S).astype(np.int64).reshape(n, S)
+    starts_doc = a.offs == 0
+    docs = np.bincount(key[starts_doc], minlength=n * S).astype(np.int64).reshape(n, S)
+    return StepChunk(batch, first, a.step_starts, a.masked, full,
+                     {k: str(v) for k, v in meta.items()}, tokens.sum(axis=1), tokens, docs)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Assembled:
+    """The columns of consecutive steps' rows (`_assemble`), before they become Arrow."""
+
+    cols: dict[str, np.ndarray]  # input_ids, and labels, position_ids, segment_ids if made
+    row_offsets: np.ndarray  # each row's first segment, and the end (rows + 1)
+    lens: np.ndarray  # per segment
+    offs: np.ndarray
+    doc_ids: np.ndarray
+    streams: np.ndarray
+    step_starts: np.ndarray  # each step's first row, and the end (steps + 1)
+    step_segs: np.ndarray  # segments per step
+    masked: np.ndarray  # per step: a segment carries a loss mask
+
+
+def _assemble(steps: list[list], seq_len: int, pad_id: int, full: bool) -> _Assembled:
     L = seq_len
     rows = [row for step in steps for row in step]
     n_rows = len(rows)
@@ -100,34 +217,26 @@ def build_batches(
 
     row_offsets = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(counts, out=row_offsets[1:])
-    seg_lens, seg_offs = lens.astype(np.int32), offs.astype(np.int32)
-    stream_values = strings(stream_names)
-    schema = batch_schema(L)
-    out = []
-    r0 = 0
-    for step in steps:
-        r1 = r0 + len(step)
-        s0, s1 = int(row_offsets[r0]), int(row_offsets[r1])
-        if full:
-            names = list(FIXED)
-        else:  # compact: labels only where a row of this step carries a loss mask
-            names = ["input_ids", *(["labels"] if has_loss[s0:s1].any() else [])]
-        arrays = [_fixed(cols[n][r0 * L : r1 * L], L) for n in names]
-        offsets = numeric((row_offsets[r0 : r1 + 1] - s0).astype(np.int32))
-        arrays += [
-            pa.ListArray.from_arrays(offsets, numeric(seg_lens[s0:s1])),
-            pa.ListArray.from_arrays(
-                offsets, pa.DictionaryArray.from_arrays(numeric(streams[s0:s1]), stream_values)
-            ),
-            pa.ListArray.from_arrays(offsets, numeric(doc_ids[s0:s1])),
-            pa.ListArray.from_arrays(offsets, numeric(seg_offs[s0:s1])),
-        ]
-        names += list(SEGMENT)
-        out.append(pa.RecordBatch.from_arrays(
-            arrays, schema=schema if full else pa.schema([schema.field(n) for n in names])
-        ))  # fmt: skip
-        r0 = r1
-    return out
+    step_starts = np.zeros(len(steps) + 1, dtype=np.int64)
+    np.cumsum([len(step) for step in steps], out=step_starts[1:])
+    seg_bounds = row_offsets[step_starts]
+    loss_run = np.zeros(n_seg + 1, dtype=np.int64)
+    np.cumsum(has_loss, out=loss_run[1:])
+    return _Assembled(cols, row_offsets, lens, offs, doc_ids, streams, step_starts,
+                      np.diff(seg_bounds), loss_run[seg_bounds[1:]] > loss_run[seg_bounds[:-1]])  # fmt: skip
+
+
+def _segment_lists(a: _Assembled, offsets: pa.Array, s0: int, s1: int, stream_values: pa.Array
+                   ) -> list[pa.Array]:  # fmt: skip
+    """The per-segment list columns (SEGMENT) of segments [s0, s1), rows cut by `offsets`."""
+    return [
+        pa.ListArray.from_arrays(offsets, numeric(a.lens[s0:s1].astype(np.int32))),
+        pa.ListArray.from_arrays(
+            offsets, pa.DictionaryArray.from_arrays(numeric(a.streams[s0:s1]), stream_values)
+        ),
+        pa.ListArray.from_arrays(offsets, numeric(a.doc_ids[s0:s1])),
+        pa.ListArray.from_arrays(offsets, numeric(a.offs[s0:s1].astype(np.int32))),
+    ]
 
 
 FIXED = ("input_ids", "labels", "position_ids", "segment_ids")  # seq_len per row
