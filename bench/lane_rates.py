@@ -4,9 +4,10 @@
 
 Every global step needs all K lanes' parts, so K lanes serve at most K × the slowest lane's
 rate, however many cores they have. This bench makes each lane's steps alone, one after the
-other, in this process (`LaneWorker`, reading its share itself as `read.in_lanes` does), on
-a text stream (`--corpus`, default the demo corpus's code.jsonl, read `repeat` 1000), seq_len
-2048, global batch 32, concat. Per lane: tokens/s over `--steps` lane steps after a warm-up
+other, in this process (`LaneWorker`, reading its share itself as `read.in_lanes` does, and
+holding its steps as the batch server's lanes do, each step's rows taken by the one rank of
+a world of K whose rows it holds), on a text stream (`--corpus`, default the demo corpus's
+code.jsonl, read `repeat` 1000), seq_len 2048, global batch 32, concat. Per lane: tokens/s over `--steps` lane steps after a warm-up
 call, and the share of its characters that the HF check encoded again
 (`LoadedTokenizer.encode_verified`, `verify_sample`). Then the slowest lane, the spread, and
 K × the slowest: the laned feed's bound on this core's speed. Then the baseline, measured in
@@ -52,16 +53,21 @@ def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = Non
     out = []
     try:
         for k in range(lanes) if only is None else only:
+            # As the batch server runs a lane: holding its steps (compact), a state every step,
+            # and its rows taken by the rank of a world of K whose rows it holds.
             lane = LaneWorker(cfg.model_dump(mode="json", context={"reveal_secrets": True}), k,
-                              None, False, True, True, False)  # fmt: skip
-            lane.steps(16, 0)  # warm: the tokenizer loaded, the first read begun
+                              None, False, False, True, False, hold=True)  # fmt: skip
+            per_call = max(4, lanes)  # pipeline/lanes.py steps_per_call
+            lane.steps(per_call, 0)  # warm: the tokenizer loaded, the first read begun
             seen[:] = [0, 0]
-            t, n = time.perf_counter(), 0
-            while n < steps:
-                got, _ = lane.steps(16, 1)  # a state every step, as the batch server asks
-                if not got:
+            t, n = time.perf_counter(), per_call
+            while n < steps + per_call:
+                made, _ = lane.steps(per_call, 1, n)
+                if not len(made):
                     break
-                n += len(got)
+                lane.take([(made.first + j, 0, int(r)) for j, r in enumerate(made.rows)], k, lanes)
+                n += len(made)
+            n -= per_call
             wall = time.perf_counter() - t
             lane.close()
             out.append({"lane": k, "steps": n, "tokens_per_s": n * SEQ_LEN * BATCH / lanes / wall,
