@@ -65,7 +65,7 @@ from pipeline.state.resume import (
     nest_kept,
 )
 from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describe_lengths
-from wire.arrays import from_ipc, to_ipc, view
+from wire.arrays import from_ipc, own, to_ipc, view
 from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, rank_meta
 from wire.layout import compact, step_path, write_step
 from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
@@ -301,7 +301,7 @@ class LaneWorker:
             if len(parts) != 1 or parts[0][0] != self.lane:
                 continue  # not in this lane, or spanning lanes: the export joins them
             _, lo, hi = parts[0]
-            part = stored.slice(lo, hi - lo)
+            part = own(stored.slice(lo, hi - lo))  # the bytes the one-process export writes
             write_step(part.replace_schema_metadata(rank_meta(part, r, w.world)),
                        w.pending(step, r), w.fmt)  # fmt: skip
             written.append(r)
@@ -311,8 +311,9 @@ class LaneWorker:
              ) -> list[tuple[bytes, int]]:  # fmt: skip
         """Rows [lo, hi) of this lane's part of each (step, lo, hi), for rank `rank` of
         `world_size`: runs of one schema (wire/lanes.py `runs_of`'s runs), as Arrow IPC.
-        Consecutive steps' rows that lie together in one chunk are one slice. Runs on the
-        `serve` threads, beside the thread that makes steps."""
+        Consecutive steps' rows that lie together in one chunk are one slice, sent as it is
+        (a run's IPC padding may hold bytes of the rows after it: the rank reads the same
+        data). Runs on the `serve` threads, beside the thread that makes steps."""
         with self._held_lock:
             found = [(self._held(s), lo, hi) for s, lo, hi in parts]
         # Runs of one schema: each its first step's metadata, its pieces (chunk, first row,
@@ -346,7 +347,7 @@ class LaneWorker:
         """This lane's part of held step `step` as it was made (Arrow IPC): `LanedStep.whole`."""
         with self._held_lock:
             chunk, j = self._held(step)
-        return to_ipc(chunk.step(j))
+        return to_ipc(own(chunk.step(j)))
 
     def _held(self, step: int) -> tuple[StepChunk, int]:
         """Where held step `step` is (under `_held_lock`), or a LookupError naming what is
@@ -624,6 +625,9 @@ class LanedFeed:
         made = [steps for steps, _ in answers]
         per_lane = self.cfg.global_batch_size // self.cfg.lanes
         if self.hold:  # what the steps count, summed over the lanes at once
+            # The steps keep their lanes' answers without the states (the producer keeps
+            # each step's nested state).
+            counted = tuple(replace(lane_made, states=[]) for lane_made in made)
             m = min(len(lane_made) for lane_made in made)
             rows = np.stack([lane_made.rows[:m] for lane_made in made], axis=1).tolist()
             counts = [sum(lane_made.rows[:m] for lane_made in made),
@@ -638,7 +642,7 @@ class LanedFeed:
                 states = [lane_made.states[j] for lane_made in made]
                 step = self.step + len(self._ready)  # the steps before it are ready
                 step_rows = tuple(rows[j])
-                laned = LanedStep(step, self._handles, step_rows, tuple(made), j)
+                laned = LanedStep(step, self._handles, step_rows, counted, j)
                 made_step: Any = (laned, [int(counts[0][j]), int(counts[1][j]), counts[2][j],
                                           counts[3][j]])  # fmt: skip
             else:

@@ -72,6 +72,15 @@ def to_ipc(batch: pa.RecordBatch) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def own(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """The batch with buffers of its own, exactly its rows. Arrow's IPC writer writes a slice's
+    buffers rounded up (to 8 or 64 bytes) from the memory after its rows, so a slice of a
+    larger batch carries some of its neighbours' bytes in its padding: equal data, other
+    bytes. A file must be the same bytes however the rows were held (`pipeline/lanes.py`
+    `LaneWorker._write`)."""
+    return pa.concat_batches([batch])
+
+
 def from_ipc(data: bytes) -> pa.RecordBatch:
     """The record batch `to_ipc` wrote, reading `data` in place."""
     return pa.ipc.open_stream(pa.py_buffer(data)).read_next_batch()
