@@ -172,6 +172,46 @@ def test_every_mutation_is_refused_or_resumes_exactly(run, data):
         feed.close()
 
 
+def _typed(value):
+    """A value with the type of every part of it: equal only if a JSON round trip kept them
+    all (a tuple, an int key or a float that JSON turns into something else is not)."""
+    if isinstance(value, dict):
+        return ("dict", sorted((_typed(k), _typed(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, [_typed(v) for v in value])
+    return (type(value).__name__, value)
+
+
+@pytest.mark.parametrize("mode", ["bfd", "concat"])
+def test_a_kept_state_unpacks_to_the_state_with_its_types(tmp_path, mode):
+    """The batch server keeps a state as its JSON text (`Kept`) and hands out what that text
+    parses to, not the dict the feed built: every stage's state must come back from JSON as
+    it was, types included (a tuple would come back a list, an int key a string), with a
+    mixture change, a chat stream and the end of the data on the way."""
+    code = write_jsonl(tmp_path / "a.jsonl", stdlib_texts(10, max_bytes=3_000))
+    chats = [{"messages": [{"role": "user", "content": t[:60]},
+                           {"role": "assistant", "content": t[:400]}]}
+             for t in stdlib_texts(10, start=40, max_bytes=3_000)]  # fmt: skip
+    chat = write_jsonl(tmp_path / "c.jsonl", chats)
+    cfg = parse_config({"seed": 5, "seq_len": 128, "global_batch_size": 2,
+                        "shuffle": {"window": 4}, "packing": {"mode": mode},
+                        "schedule": [{"step": 2, "weights": {"code": 0.2, "chat": 0.8}}],
+                        "streams": {"code": {"paths": [str(code)], "weight": 0.7},
+                                    "chat": {"paths": [str(chat)], "kind": "chat",
+                                             "weight": 0.3}}})  # fmt: skip
+    feed = Feed(cfg, executor=iter_blocks_local)
+    seen = 0
+    while True:
+        kept, state = feed.kept_state(), feed.get_state()
+        assert _typed(kept.unpack()) == _typed(state), feed.step
+        assert kept.digest == state["digest"] == digest(kept.unpack())
+        seen += 1
+        if not feed.steps(1):
+            break
+    feed.close()
+    assert seen > 4
+
+
 def test_a_kept_laned_state_is_the_sealed_nest_of_its_lanes(tmp_path):
     """The batch server keeps each step's state as JSON text (`Kept`), a laned one nested
     from its lanes' kept states without decoding them (`nest_kept`): unpacked, it is the
