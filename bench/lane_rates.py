@@ -7,9 +7,9 @@ rate, however many cores they have. This bench makes each lane's steps alone, on
 other, in this process (`LaneWorker`, reading its share itself as `read.in_lanes` does, and
 holding its steps as the batch server's lanes do, each step's rows taken by the one rank of
 a world of K whose rows it holds), on a text stream (`--corpus`, default the demo corpus's
-code.jsonl, read `repeat` 1000), seq_len 2048, global batch 32, concat. Per lane: tokens/s over `--steps` lane steps after a warm-up
-call, and the share of its characters that the HF check encoded again
-(`LoadedTokenizer.encode_verified`, `verify_sample`). Then the slowest lane, the spread, and
+code.jsonl, read `repeat` 1000), seq_len 2048, global batch 32, concat. Per lane: tokens/s
+over `--steps` lane steps after a warm-up call, and the share of its characters that the HF
+check encoded again (`LoadedTokenizer.encode_verified`, `verify_sample`). Then the slowest lane, the spread, and
 K × the slowest: the laned feed's bound on this core's speed. Then the baseline, measured in
 the same run: one lane of `lanes: 1` (the whole step, G rows) alone, and the ratio the
 16-core goal turns on, K × the slowest ÷ (K × the one lane's rate): what a core making a
@@ -34,7 +34,7 @@ SEQ_LEN, BATCH = 2048, 32
 
 def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = None) -> list[dict]:
     """Each lane's tokens/s making `steps` lane steps alone, and its checked share."""
-    from pipeline.lanes import LaneWorker
+    from pipeline.lanes import LaneWorker, steps_per_call
     from pipeline.read.resolve import parse_config
     from pipeline.tokenize import engines
 
@@ -57,7 +57,7 @@ def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = Non
             # and its rows taken by the rank of a world of K whose rows it holds.
             lane = LaneWorker(cfg.model_dump(mode="json", context={"reveal_secrets": True}), k,
                               None, False, False, True, False, hold=True)  # fmt: skip
-            per_call = max(4, lanes)  # pipeline/lanes.py steps_per_call
+            per_call = steps_per_call(lanes)  # as the batch server asks
             lane.steps(per_call, 0)  # warm: the tokenizer loaded, the first read begun
             seen[:] = [0, 0]
             t, n = time.perf_counter(), per_call
