@@ -88,9 +88,10 @@ def _consume(actor, rank: int, world: int, steps: int, marks: list, lanes: bool)
     import pyarrow.compute as pc
     import ray
 
-    from wire.lanes import fetch
+    from wire.lanes import LaneActors, fetch
     from wire.protocol import POLL_S
 
+    actors = LaneActors(lambda key: ray.get(actor.lane_handles.remote(key)))
     step, tokens = 0, 0
     while step < steps:
         reply = ray.get(actor.get.remote(rank, world, step, POLL_S, 32))
@@ -98,7 +99,7 @@ def _consume(actor, rank: int, world: int, steps: int, marks: list, lanes: bool)
             break
         if not reply.ready:
             continue
-        runs = fetch(reply.lanes, rank, world, 120.0)[0] if lanes else reply.runs
+        runs = fetch(reply.lanes, rank, world, 120.0, actors)[0] if lanes else reply.runs
         for run in runs:
             batch = pa.ipc.open_stream(run).read_next_batch()
             tokens += int(pc.sum(pc.list_flatten(batch["seq_lens"])).as_py())

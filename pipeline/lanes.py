@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -184,6 +185,7 @@ class LanedStep:
     rows: tuple[int, ...]
     made: tuple[LaneMade, ...] = ()  # the lanes' answers that hold this step, in lane order
     index: int = 0  # this step's place in each of them
+    key: str = ""  # names the feed's lane actors (`LanedFeed.key`): a reply names it, not them
 
     @property
     def receipts(self) -> tuple[Receipt, ...]:
@@ -203,16 +205,22 @@ class LanedStep:
 
 
 def where(steps: list[LanedStep], rank: int, world_size: int, global_batch_size: int
-          ) -> list[tuple[Any, list[tuple[int, int, int]]]]:  # fmt: skip
-    """Where rank `rank` of `world_size` takes its rows of consecutive held `steps`: per lane
-    actor, [(step, first row, end row), ...], lanes in order (protocol.StepReply `lanes`).
-    Steps a skip's replaced lanes hold come before the new lanes' (they are earlier steps)."""
-    groups: dict[int, int] = {}  # id of a feed's lanes -> its order of appearance
-    out: dict[tuple[int, int], tuple[Any, list]] = {}
+          ) -> list[tuple[str, int, list[tuple[int, int, int]]]]:  # fmt: skip
+    """Where rank `rank` of `world_size` takes its rows of consecutive held `steps`: per lane,
+    (its feed's key, the lane, [(step, first row, end row), ...]), lanes in order
+    (protocol.StepReply `lanes`). Steps a skip's replaced lanes hold come before the new
+    lanes' (they are earlier steps).
+
+    The reply names the lanes by key and the rank looks their actors up once
+    (`BatchServer.lane_handles`): sending the actors in every reply cost the control actor a
+    sixth of the time it held the GIL (16 lanes, 16 ranks; py-spy --gil), as Ray pickles an
+    actor handle anew each time (and the rank unpickles it)."""
+    groups: dict[str, int] = {}  # a feed's key -> its order of appearance
+    out: dict[tuple[int, int], tuple[str, int, list]] = {}
     for s in steps:
-        group = groups.setdefault(id(s.lanes), len(groups))
+        group = groups.setdefault(s.key, len(groups))
         for k, lo, hi in lane_parts(list(s.rows), rank, world_size, global_batch_size):
-            out.setdefault((group, k), (s.lanes[k], []))[1].append((s.step, lo, hi))
+            out.setdefault((group, k), (s.key, k, []))[2].append((s.step, lo, hi))
     return [out[key] for key in sorted(out)]  # a step's pieces in lane order
 
 
@@ -497,8 +505,10 @@ class LanedFeed:
             )
             opts = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
             self.lanes = [_Actor(actor.options(**opts).remote(*a)) for a in args]
-        # One tuple shared by every step it makes (wire/lanes.py groups a reply's steps by it).
-        self._handles = tuple(getattr(lane, "handle", None) for lane in self.lanes)
+        # One tuple shared by every step it makes, and the key a rank's reply names it by
+        # (`where`): unique to this feed's actors, so a skip's new lanes have another.
+        self.handles = tuple(getattr(lane, "handle", None) for lane in self.lanes)
+        self.key = uuid.uuid4().hex
         # Where each lane runs (asked now, read once answered) and the steps it held when it
         # last answered (holding lanes): metrics `lanes`.
         self._processes = [lane.call("process") for lane in self.lanes]
@@ -642,7 +652,7 @@ class LanedFeed:
                 states = [lane_made.states[j] for lane_made in made]
                 step = self.step + len(self._ready)  # the steps before it are ready
                 step_rows = tuple(rows[j])
-                laned = LanedStep(step, self._handles, step_rows, counted, j)
+                laned = LanedStep(step, self.handles, step_rows, counted, j, self.key)
                 made_step: Any = (laned, [int(counts[0][j]), int(counts[1][j]), counts[2][j],
                                           counts[3][j]])  # fmt: skip
             else:

@@ -519,6 +519,20 @@ class BatchServer:
         runs = rank_runs(batches, rank, world_size, G)
         return StepReply("ready", [to_ipc(run) for run, _ in runs], [n for _, n in runs])
 
+    def lane_handles(self, key: str) -> tuple:
+        """The lane actors that a reply names by `key` (pipeline/lanes.py `where`): the
+        running feed's, or those of a feed a skip replaced whose steps ranks still take."""
+        with self._cond:
+            for feed in (self.feed, *(f for _, f in self._retired)):
+                if getattr(feed, "key", None) == key:
+                    return feed.handles  # type: ignore[union-attr]
+        from wire.lanes import LaneGone
+
+        raise LaneGone(
+            f"the lanes named {key} are gone: their sequence was replaced (a seek or a "
+            "restart) or the service stopped"
+        )
+
     def _release_lanes(self) -> None:
         """Under the lock: lanes that hold the rows (`lanes` > 1) may let go of the steps every
         live rank has fetched; lanes a skip replaced (`_retired`) close once none of their

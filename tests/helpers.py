@@ -80,17 +80,18 @@ def take(srv, rank: int, world: int, step: int, timeout_s: float = 60.0):
     deadline = time.time() + timeout_s
     while not (reply := srv.get(rank, world, step, 1.0)).ready:
         assert time.time() < deadline, reply.reason
-    return resolved(reply, rank, world)
+    return resolved(srv, reply, rank, world)
 
 
-def resolved(reply, rank: int, world: int):
-    """A ready answer with its runs in it: where the lanes hold the rows (`lanes` > 1), taken
-    from them as a rank's client does (wire/lanes.py `fetch`)."""
+def resolved(srv, reply, rank: int, world: int):
+    """A ready answer of batch server `srv` (in this process) with its runs in it: where the
+    lanes hold the rows (`lanes` > 1), taken from them as a rank's client does
+    (wire/lanes.py `fetch`, the lanes' actors looked up by key)."""
     from dataclasses import replace
 
-    from wire.lanes import fetch
+    from wire.lanes import LaneActors, fetch
 
     if not reply.lanes:
         return reply
-    runs, counts = fetch(reply.lanes, rank, world, 60.0)
+    runs, counts = fetch(reply.lanes, rank, world, 60.0, LaneActors(srv.lane_handles))
     return replace(reply, runs=runs, counts=counts, lanes=[])

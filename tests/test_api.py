@@ -48,7 +48,7 @@ def take(server, rank: int, world_size: int, step: int, timeout_s: float = 60.0)
     while time.time() < deadline:
         reply = server.get(rank, world_size, step, 1.0)
         if reply.ready:
-            return resolved(reply, rank, world_size).runs
+            return resolved(server, reply, rank, world_size).runs
         if reply.status in ("end", "stopped"):
             return None
     raise TimeoutError(f"step {step} was not served within {timeout_s}s")

@@ -536,7 +536,7 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
                     with srv._cond:  # the window: where rows are, never the rows
                         assert all(isinstance(p, LanedStep) for p in srv.window.steps.values())
                     at = pos[r]
-                    for run in resolved(reply, r, world).runs:
+                    for run in resolved(srv, reply, r, world).runs:
                         for part in split_run(from_ipc(run)):
                             mine = rank_slice(want[at], r, world, cfg.global_batch_size)
                             assert expand(part).to_pydict() == expand(mine).to_pydict(), (
@@ -596,12 +596,12 @@ def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
     forever = {n: s | {"repeat": 100} for n, s in small.items()}
     srv = BatchServer(config(forever, 2).model_dump(mode="json"), prefetch=3)
     try:
-        assert resolved(srv.get(0, 1, 0, 30.0), 0, 1).runs
+        assert resolved(srv, srv.get(0, 1, 0, 30.0), 0, 1).runs
         while not (reply := srv.get(0, 1, 1, 2.0)).ready:
             pass
         ray.kill(srv.feed.lanes[1].handle)
         with pytest.raises(LaneGone, match="is gone"):
-            resolved(reply, 0, 1)
+            resolved(srv, reply, 0, 1)
         deadline, step = time.time() + 60, 1 + reply.steps
         with pytest.raises(RuntimeError, match="lane 1 of 2 failed"):
             while time.time() < deadline:

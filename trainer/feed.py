@@ -38,6 +38,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -172,6 +173,7 @@ class Feed:
         self._beating = threading.Event()  # set: the beat thread stops
         self._beater: threading.Thread | None = None
         self._beat_s = 5.0
+        self._lanes: Any = None  # lane actors by their feed's key (wire/lanes.py LaneActors)
         # Told the end: later `next` calls stop here, without asking a service that may have
         # gone (HF's Trainer iterates again after the end); the state after the last step is
         # kept for a final checkpoint.
@@ -328,10 +330,15 @@ class Feed:
                       file=sys.stderr, flush=True)  # fmt: skip
         if not reply.lanes:
             return list(reply.runs)
-        from wire.lanes import LaneGone, fetch
+        from wire.lanes import LaneActors, LaneGone, fetch
 
+        if self._lanes is None:  # the lane actors, asked of the server once per sequence
+            self._lanes = LaneActors(
+                lambda key: self._call("lane_handles", key, group=CONSUMER_GROUP)
+            )
         try:  # the lanes hold the rows (`lanes` > 1): taken from them straight
-            return fetch(reply.lanes, self.rank, self.world_size, self.timeout_s)[0]
+            return fetch(reply.lanes, self.rank, self.world_size, self.timeout_s,
+                         self._lanes)[0]  # fmt: skip
         except (LaneGone, LookupError, TimeoutError) as e:
             raise FeedError(f"step {self.step}: {e}") from None
         except Exception as e:  # any other failure of a lane's answer, named

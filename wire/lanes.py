@@ -17,6 +17,7 @@ lanes' parts itself and cut out the rank's slice (the sequence never depends on 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -139,23 +140,47 @@ def split_run(run: pa.RecordBatch) -> list[pa.RecordBatch]:
     return out
 
 
+class LaneActors:
+    """A rank's lookup of lane actors by their feed's key (`StepReply.lanes` names lanes by
+    key; pipeline/lanes.py `where`): asked of the server once per key (`lookup`, the server's
+    `lane_handles`), then kept. Only the latest few are kept: a skip's replaced lanes are not
+    asked for again once their steps are taken."""
+
+    KEEP = 8
+
+    def __init__(self, lookup: Callable[[str], Sequence[Any]]):
+        self.lookup = lookup
+        self.known: dict[str, Sequence[Any]] = {}
+
+    def __call__(self, key: str) -> Sequence[Any]:
+        if key not in self.known:
+            self.known[key] = self.lookup(key)
+            while len(self.known) > self.KEEP:
+                self.known.pop(next(iter(self.known)))
+        return self.known[key]
+
+
 def fetch(
-    lanes: list[tuple[Any, list[tuple[int, int, int]]]],
+    lanes: list[tuple[str, int, list[tuple[int, int, int]]]],
     rank: int,
     world_size: int,
     timeout_s: float,
+    actors: Callable[[str], Sequence[Any]],
 ) -> tuple[list[bytes], list[int]]:
-    """A rank's rows from the lanes that hold them (`StepReply.lanes`), all asked at once: its
-    runs (Arrow IPC) and the steps in each. Raises LaneGone naming a lane that is gone and
-    TimeoutError past `timeout_s`; a step a lane no longer holds is the lane's LookupError."""
+    """A rank's rows from the lanes that hold them (`StepReply.lanes`: per lane, its feed's
+    key, its number and the rows), all asked at once: its runs (Arrow IPC) and the steps in
+    each. `actors` gives a key's lane actors (LaneActors). Raises LaneGone naming a lane that
+    is gone and TimeoutError past `timeout_s`; a step a lane no longer holds is the lane's
+    LookupError."""
     import ray
 
     calls = [
-        (k, handle.take.options(concurrency_group=TAKE_GROUP).remote(parts, rank, world_size))
-        for k, (handle, parts) in enumerate(lanes)
-    ]
+        (k, parts, actors(key)[k].take.options(concurrency_group=TAKE_GROUP).remote(
+            parts, rank, world_size))
+        for key, k, parts in lanes
+    ]  # fmt: skip
     answers = []
-    for k, ref in calls:
+    for k, parts, ref in calls:
         try:
             answers.append(ray.get(ref, timeout=timeout_s))
         except ray.exceptions.GetTimeoutError:
@@ -164,7 +189,7 @@ def fetch(
             ) from None
         except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
             raise LaneGone(
-                f"the lane holding rows of steps {lanes[k][1][0][0]}.. is gone "
+                f"lane {k}, holding rows of steps {parts[0][0]}.., is gone "
                 f"({type(e).__name__}): its sequence was replaced or its process died"
             ) from None
         except ray.exceptions.RayTaskError as e:

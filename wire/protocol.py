@@ -108,8 +108,9 @@ class StepReply:
     counts: list[int] = field(default_factory=list)
     reason: str = ""
     # With `lanes` K > 1 the rows stay in the lanes that made them, and `ready` says where
-    # instead: [(lane actor, [(step, first row, end row), ...]), ...], in the order a rank
-    # joins them; `runs` is empty and `counts` is [steps] (wire/lanes.py `fetch`).
+    # instead: [(lanes' key, lane, [(step, first row, end row), ...]), ...], in the order a
+    # rank joins them; `runs` is empty and `counts` is [steps] (wire/lanes.py `fetch`; the
+    # key's actors come from the server's `lane_handles`, once).
     lanes: list[Any] = field(default_factory=list)
 
     @property
