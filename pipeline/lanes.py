@@ -62,6 +62,7 @@ from pipeline.state.resume import (
     STATE_VERSION,
     STEP,
     Kept,
+    Nested,
     check_laned_state,
     nest_kept,
 )
@@ -550,7 +551,7 @@ class LanedFeed:
         self._asked = self.step  # steps asked of every lane: the first step no lane has begun
         self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
         # The state after the last step handed out; at the start, the lanes' own.
-        self._state: Kept | None = (
+        self._state: Nested | None = (
             self._nest([lane.get(lane.call("state")) for lane in self.lanes])
             if state_every
             else None
@@ -709,7 +710,7 @@ class LanedFeed:
     def _batch(self, made) -> pa.RecordBatch:
         return from_ipc(made) if isinstance(made, bytes) else made
 
-    def _nest(self, states: list[Kept]) -> Kept:
+    def _nest(self, states: list[Kept]) -> Nested:
         return nest_kept(STATE_VERSION, self.config_hash, states)
 
     def _count(self, receipts: list[Receipt]) -> None:
@@ -733,7 +734,7 @@ class LanedFeed:
         and sealed. Lanes make states only every `state_every` steps (they run ahead)."""
         return self.kept_state().unpack()
 
-    def kept_state(self) -> Kept:
+    def kept_state(self) -> Nested:
         """`get_state`, kept (the batch server keeps one for every recent step)."""
         if self._state is None or self._state.step != self.step:
             raise ValueError(

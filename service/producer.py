@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from pipeline.feed import Feed
 from pipeline.lanes import LanedFeed
-from pipeline.state.resume import Kept
+from pipeline.state.resume import Kept, Nested
 from service.window import StepWindow
 from wire.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
 
@@ -42,14 +42,14 @@ class Producer:
         # that step, so the step's kept state is taken again (a replay from it decides alike).
         self.gate = gate
         # step -> the state at it, kept (a dict again with `unpack`, when asked for)
-        self.states: OrderedDict[int, Kept] = OrderedDict({feed.step: feed.kept_state()})
+        self.states: OrderedDict[int, Kept | Nested] = OrderedDict({feed.step: feed.kept_state()})
         self.state = STARTING
         self.error: str | None = None
         self.paused = False
         self.busy = False  # inside feed.next_step(): that step's weights are fixed
         self.gating = False  # inside `gate`
         # step -> its state before `gate` changed its weights (a rank may hold that one)
-        self.decided_from: dict[int, Kept] = {}
+        self.decided_from: dict[int, Kept | Nested] = {}
         # The first step whose production has not begun: where a weight change takes effect.
         # Changed only under the lock and never backwards, even when the step being made
         # turns out to be past the end of the data.
