@@ -77,20 +77,33 @@ STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane), at
 
 
 def steps_per_call(lanes: int) -> int:
-    """Steps asked of each lane per call: STEPS_PER_CALL, or K past it, so that the control
-    submits about one lane call per global step and takes one answer, whatever K (a chunk is
-    K calls). At 4 steps a call, the control's CPU per step grew with K: 16 lanes on 2 cores,
-    8 ranks, pre-tokenized (`bench.serve_ranks`), 4.7 ms per step, a quarter of it submitting
-    calls and a quarter taking the answers apart (py-spy)."""
-    return max(STEPS_PER_CALL, lanes)
+    """Steps asked of each lane per call: STEPS_PER_CALL, or 2K past it, so that the control
+    submits about one lane call per two global steps and takes one answer, whatever K (a
+    chunk is K calls).
+    - At 4 steps a call, the control's CPU per step grew with K: 16 lanes on 2 cores, 8 ranks,
+      pre-tokenized (`bench.serve_ranks`), 4.7 ms per step, a quarter of it submitting calls
+      and a quarter taking the answers apart (py-spy).
+    - At K steps a call, submitting the calls and taking the answers were still a third of
+      the time the control held the GIL (16 lanes, 16 ranks; py-spy --gil), hence 2K, with
+      half as many chunks in flight (`in_flight`): the steps made ahead stay the same."""
+    return max(STEPS_PER_CALL, 2 * lanes)
 
 
-# Chunks asked for ahead of the one being joined (actors only). With one, a lane idled for a
-# round trip after every chunk (its next was asked once its answer was back) and between the
-# ranks' bursts. Served pre-tokenized, 2 lanes on 2 cores (bench.serve_ranks, one run each):
-# 5.7M tokens/s with 1, 7.7M with 2, 10.1M with 3, 12.2M with 4 (8 steps x 2: 10.6M). A
-# weight change lands after the steps asked: up to IN_FLIGHT x steps_per_call(K) steps ahead.
+# Steps asked for ahead of the chunk being joined (actors only), in chunks of
+# steps_per_call(K). With one chunk ahead, a lane idled for a round trip after every chunk
+# (its next was asked once its answer was back) and between the ranks' bursts. Served
+# pre-tokenized, 2 lanes on 2 cores, 4 steps a call (bench.serve_ranks, one run each): 5.7M
+# tokens/s with 1 chunk ahead, 7.7M with 2, 10.1M with 3, 12.2M with 4 (8 steps x 2: 10.6M).
+# A weight change lands after the steps asked: up to in_flight(K) x steps_per_call(K) steps.
 IN_FLIGHT = 4
+
+
+def in_flight(lanes: int) -> int:
+    """Chunks asked for ahead: IN_FLIGHT chunks of STEPS_PER_CALL steps' worth, and at least
+    two (one being made while the one before is answered)."""
+    return max(2, IN_FLIGHT * STEPS_PER_CALL // steps_per_call(lanes))
+
+
 PENDING = ".lane"  # a step file a lane wrote, until the export takes its step
 
 
@@ -546,7 +559,7 @@ class LanedFeed:
         self.mixer.begin_step(self.step)
         self.finished = False
         self._ready: collections.deque = collections.deque()
-        # The chunks asked for ahead (IN_FLIGHT): each its step count and the lanes' answers.
+        # The chunks asked for ahead (in_flight): each its step count and the lanes' answers.
         self._pending: collections.deque[tuple[int, list]] = collections.deque()
         self._asked = self.step  # steps asked of every lane: the first step no lane has begun
         self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
@@ -622,7 +635,8 @@ class LanedFeed:
                     self._last[k] = lane_made
         self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
-        while not isinstance(self.lanes[0], _Local) and len(self._pending) < IN_FLIGHT:
+        depth = in_flight(len(self.lanes))
+        while not isinstance(self.lanes[0], _Local) and len(self._pending) < depth:
             ahead = self._ask()
             if ahead is None:  # the mixing policy's next decision comes first
                 break

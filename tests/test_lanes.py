@@ -509,7 +509,7 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
     import ray
 
     from pipeline.feed import rank_slice
-    from pipeline.lanes import IN_FLIGHT, STEPS_PER_CALL, LanedStep
+    from pipeline.lanes import LanedStep, in_flight, steps_per_call
     from service.api import prometheus_text
     from service.server import BatchServer
     from tests.helpers import resolved
@@ -551,7 +551,7 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
             assert pos == [len(want)] * world, (world, pos)
             # Metrics say where each lane runs and what it holds: K live processes of their
             # own, each holding at most the window, a fetch per rank and the steps made ahead.
-            bound = 3 + 2 * 2 + (IN_FLIGHT + 1) * STEPS_PER_CALL
+            bound = 3 + 2 * 2 + (in_flight(lanes) + 1) * steps_per_call(lanes)
             assert all(len(v) == lanes for v in views)
             assert max(d["held_steps"] for v in views for d in v) > 0
             assert all(d["held_steps"] <= bound for v in views for d in v), views
