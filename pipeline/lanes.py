@@ -99,9 +99,10 @@ IN_FLIGHT = 4
 
 
 def in_flight(lanes: int) -> int:
-    """Chunks asked for ahead: IN_FLIGHT chunks of STEPS_PER_CALL steps' worth, and at least
-    two (one being made while the one before is answered)."""
-    return max(2, IN_FLIGHT * STEPS_PER_CALL // steps_per_call(lanes))
+    """Chunks asked for ahead: at least IN_FLIGHT chunks of STEPS_PER_CALL steps' worth (16
+    steps: 3 chunks of 6 at 3 lanes), and at least two (one being made while the one before
+    is answered)."""
+    return max(2, -(-IN_FLIGHT * STEPS_PER_CALL // steps_per_call(lanes)))
 
 
 PENDING = ".lane"  # a step file a lane wrote, until the export takes its step
@@ -562,6 +563,7 @@ class LanedFeed:
         # The chunks asked for ahead (in_flight): each its step count and the lanes' answers.
         self._pending: collections.deque[tuple[int, list]] = collections.deque()
         self._asked = self.step  # steps asked of every lane: the first step no lane has begun
+        self._first = self.step  # the first call asks STEPS_PER_CALL: the first step comes sooner
         self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
         # The state after the last step handed out; at the start, the lanes' own.
         self._state: Nested | None = (
@@ -616,6 +618,8 @@ class LanedFeed:
         # the whole chunk in every lane (an actor runs one caller's calls in order).
         with self._lock:
             n = self._room()
+            if self._asked == self._first:
+                n = min(n, STEPS_PER_CALL)
             if n <= 0:
                 return None
             self._asked += n

@@ -529,8 +529,9 @@ class BatchServer:
         from wire.lanes import LaneGone
 
         raise LaneGone(
-            f"the lanes named {key} are gone: their sequence was replaced (a seek or a "
-            "restart) or the service stopped"
+            f"the lanes named {key} are gone: a skip replaced them and they were closed once "
+            "every live rank had their steps (a rank away past service.rank_timeout_s no "
+            "longer holds them), or the service stopped"
         )
 
     def _release_lanes(self) -> None:

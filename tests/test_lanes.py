@@ -71,6 +71,44 @@ def test_lanes_must_divide_the_step(streams):
         config(streams, 3)
 
 
+def test_lanes_are_asked_2k_steps_a_call_with_16_steps_ahead():
+    """The control asks a lane for max(4, 2K) steps a call, with at least 16 steps and two
+    calls ahead (the depth that kept 2 lanes busy), and the first call for 4 steps."""
+    from pipeline.lanes import STEPS_PER_CALL, in_flight, steps_per_call
+
+    for k, per_call, ahead in [(2, 4, 4), (3, 6, 3), (4, 8, 2), (8, 16, 2), (16, 32, 2),
+                               (64, 128, 2)]:  # fmt: skip
+        assert (steps_per_call(k), in_flight(k)) == (per_call, ahead), k
+        assert in_flight(k) * steps_per_call(k) >= 16
+    assert STEPS_PER_CALL == 4
+
+
+def test_a_nested_state_is_sealed_once_and_keeps_one_copy():
+    """A laned step's state is kept as its lanes' parts and sealed when first asked for: the
+    seal is the one over the lanes' digests, asked again it is the same object, and the parts
+    are let go once sealed (a state asked for holds one copy of its text, not two)."""
+    import threading
+
+    from pipeline.state.resume import STATE_VERSION, Kept, digest, nest_kept
+
+    lanes = [Kept.seal({"step": 5, "lane": k, "text": "é" * k}) for k in range(3)]
+    for threads in (1, 8):
+        nested = nest_kept(STATE_VERSION, "h", lanes)
+        assert nested.step == 5 and nested._kept is None  # nothing sealed yet
+        got: list = []
+        workers = [threading.Thread(target=lambda n=nested, g=got: g.append(n.kept))
+                   for _ in range(threads)]  # fmt: skip
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert len({(k.digest, k.text) for k in got}) == 1
+        assert nested.kept is nested.kept and nested._texts is None and nested._digests is None
+        state = nested.unpack()
+        assert state["lanes"] == [k.unpack() for k in lanes]
+        assert nested.digest == state["digest"] == digest(state)
+
+
 @pytest.mark.parametrize("full", [True, False], ids=["full", "compact"])
 def test_a_lane_holding_chunks_gives_each_rank_the_steps_made_one_by_one(streams, full):
     """A holding lane keeps each call's steps in one chunk (wire/schema.py StepChunk) and
@@ -512,9 +550,8 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
     from pipeline.lanes import LanedStep, in_flight, steps_per_call
     from service.api import prometheus_text
     from service.server import BatchServer
-    from tests.helpers import resolved
     from wire.arrays import from_ipc
-    from wire.lanes import split_run
+    from wire.lanes import LaneActors, fetch, split_run
     from wire.layout import expand
 
     cfg = config(small, lanes)
@@ -523,6 +560,8 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
     for world in (1, 2, 4, 8):
         srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
         views: list[list[dict]] = []
+        asked: list[str] = []  # keys whose lane actors a rank asked for
+        actors = LaneActors(lambda key, a=asked, s=srv: a.append(key) or s.lane_handles(key))
         try:
             pos, ended = [0] * world, set()
             while len(ended) < world:
@@ -535,8 +574,14 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
                     assert reply.ready and not reply.runs and reply.lanes, reply
                     with srv._cond:  # the window: where rows are, never the rows
                         assert all(isinstance(p, LanedStep) for p in srv.window.steps.values())
+                    # The reply names lanes by key (no actor pickled into it); their actors
+                    # are asked for once.
+                    assert {key for key, _, _ in reply.lanes} == {srv.feed.key}
+                    assert all(type(k) is int for _, k, _ in reply.lanes)
                     at = pos[r]
-                    for run in resolved(srv, reply, r, world).runs:
+                    runs = fetch(reply.lanes, r, world, 60.0, actors)[0]
+                    assert asked == [srv.feed.key]
+                    for run in runs:
                         for part in split_run(from_ipc(run)):
                             mine = rank_slice(want[at], r, world, cfg.global_batch_size)
                             assert expand(part).to_pydict() == expand(mine).to_pydict(), (

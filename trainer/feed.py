@@ -339,7 +339,7 @@ class Feed:
         try:  # the lanes hold the rows (`lanes` > 1): taken from them straight
             return fetch(reply.lanes, self.rank, self.world_size, self.timeout_s,
                          self._lanes)[0]  # fmt: skip
-        except (LaneGone, LookupError, TimeoutError) as e:
+        except (LaneGone, LookupError, TimeoutError, FeedError) as e:
             raise FeedError(f"step {self.step}: {e}") from None
         except Exception as e:  # any other failure of a lane's answer, named
             raise FeedError(

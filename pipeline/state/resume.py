@@ -176,21 +176,29 @@ class Nested:
     def __init__(self, version: int, config_hash: str, lanes: list[Kept]):
         self.step = lanes[0].step
         self._version, self._config_hash = version, config_hash
-        self._digests = tuple(k.digest for k in lanes)
-        self._texts = tuple(k.text for k in lanes)
+        self._digests: tuple[str, ...] | None = tuple(k.digest for k in lanes)
+        self._texts: tuple[str, ...] | None = tuple(k.text for k in lanes)
         self._kept: Kept | None = None
 
     @property
     def kept(self) -> Kept:
-        """The state sealed over the lanes' digests (`digest`), with no lane state decoded.
-        (Two threads asking at once seal it twice, to the same.)"""
-        if self._kept is None:
-            body = {VERSION: self._version, CONFIG_HASH: self._config_hash, STEP: self.step}
-            sealed = _sha(body | {LANES: list(self._digests)})
-            head = json.dumps(body | {DIGEST: sealed}, separators=(",", ":"))
-            text = f'{head[:-1]},"{LANES}":[{",".join(self._texts)}]}}'
-            self._kept = Kept(self.step, sealed, text)
-        return self._kept
+        """The state sealed over the lanes' digests (`digest`), with no lane state decoded;
+        once sealed, the lanes' parts are let go (one copy of the text is kept). Two threads
+        asking at once may both seal it, to the same."""
+        kept = self._kept
+        if kept is not None:
+            return kept
+        digests, texts = self._digests, self._texts
+        if digests is None or texts is None:  # sealed by another thread meanwhile
+            assert self._kept is not None
+            return self._kept
+        body = {VERSION: self._version, CONFIG_HASH: self._config_hash, STEP: self.step}
+        sealed = _sha(body | {LANES: list(digests)})
+        head = json.dumps(body | {DIGEST: sealed}, separators=(",", ":"))
+        kept = Kept(self.step, sealed, f'{head[:-1]},"{LANES}":[{",".join(texts)}]}}')
+        self._kept = kept  # before the parts go: a thread that finds them gone finds this
+        self._digests = self._texts = None
+        return kept
 
     @property
     def digest(self) -> str:
