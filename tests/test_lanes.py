@@ -644,7 +644,18 @@ def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
         assert resolved(srv, srv.get(0, 1, 0, 30.0), 0, 1).runs
         while not (reply := srv.get(0, 1, 1, 2.0)).ready:
             pass
-        ray.kill(srv.feed.lanes[1].handle)
+        lane = srv.feed.lanes[1].handle
+        ray.kill(lane)
+        deadline = time.time() + 60
+        while True:  # ray.kill is asynchronous: a call right after it may still be answered
+            try:
+                ray.get(lane.process.remote(), timeout=2.0)
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:
+                pass
+            assert time.time() < deadline, "the killed lane still answers"
+            time.sleep(0.05)
         with pytest.raises(LaneGone, match="is gone"):
             resolved(srv, reply, 0, 1)
         deadline, step = time.time() + 60, 1 + reply.steps
