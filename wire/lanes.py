@@ -4,9 +4,10 @@ With `lanes` K > 1 the batch server never touches token data: each lane actor ke
 it made (its G/K rows of every step) until every rank has fetched them, and the server answers
 a rank's `get` with where its rows are (`StepReply.lanes`: per lane, its feed's key, its
 number and the row ranges of each step; the rank asks for a key's actors once, LaneActors).
-The rank then takes them from the lanes straight (`fetch`), all lanes at once. A rank whose rows lie in one lane (K divides the world size, the usual case) gets that
-lane's runs as they are; a rank whose rows span lanes (a world smaller than K, or the short
-last step) joins each step's pieces in lane order, as the server did before.
+The rank then takes them from the lanes straight (`fetch`), all lanes at once. A rank whose
+rows lie in one lane (K divides the world size, the usual case) gets that lane's runs as they
+are; a rank whose rows span lanes (a world smaller than K, or the short last step) joins each
+step's pieces in lane order, as the server did before.
 
     global step s:  lane 0: rows [0, G/K)   lane 1: rows [G/K, 2G/K)   …
     rank r of W:    rows [r·G/W, (r+1)·G/W)  →  the lanes those rows fall in, sliced

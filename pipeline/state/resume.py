@@ -204,10 +204,6 @@ class Nested:
     def digest(self) -> str:
         return self.kept.digest
 
-    @property
-    def text(self) -> str:
-        return self.kept.text
-
     def unpack(self) -> dict:
         return self.kept.unpack()
 
