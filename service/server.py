@@ -49,6 +49,7 @@ from wire.protocol import (
     STARTING,
     STOPPING,
     WINDOW_BYTES,
+    WINDOW_STEPS,
     ServiceBusy,
     StepGone,
     StepReply,
@@ -149,13 +150,15 @@ OBSERVED_RANKS = 64
 
 
 def prefetch_window(cfg: Config) -> int:
-    """The window's length in global steps: `service.prefetch`, else LOOKAHEAD, so that a
-    hungry rank can take that many in one call, unless the window would then hold more than
-    WINDOW_BYTES of token ids (a step of G x L int32), and never fewer than 8."""
+    """The window's length in global steps: `service.prefetch`, else WINDOW_STEPS (32), or
+    LOOKAHEAD (64) when the lanes hold the rows (`lanes` > 1), so that a hungry rank can take
+    that many in one call; unless the window would then hold more than WINDOW_BYTES of token
+    ids (a step of G x L int32: here, or in the lanes), and never fewer than 8."""
     if cfg.service.prefetch is not None:
         return cfg.service.prefetch
     step_bytes = cfg.global_batch_size * cfg.seq_len * 4
-    return max(8, min(LOOKAHEAD, WINDOW_BYTES // step_bytes))
+    steps = LOOKAHEAD if cfg.lanes > 1 else WINDOW_STEPS
+    return max(8, min(steps, WINDOW_BYTES // step_bytes))
 
 
 class BatchServer:
@@ -964,7 +967,7 @@ class BatchServer:
                 "tokens_per_s": tok_rate,
                 "batches_per_s": row_rate / self.cfg.global_batch_size,
                 "producer": self.producer_state(),
-                "lag_normal_max": self.prefetch + LOOKAHEAD,
+                "lag_normal_max": self.prefetch + min(LOOKAHEAD, self.prefetch),
                 "global_step": self.window.produced,
                 "held_steps": len(self.window.steps),
                 # `lanes` > 1: where each lane runs and the steps it holds (pipeline/lanes.py)

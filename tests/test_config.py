@@ -120,22 +120,27 @@ def test_a_relative_tokenizer_path_resolves_next_to_the_config(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize(
-    "seq_len, batch, service, window",
+    "seq_len, batch, lanes, service, window",
     [
-        (2048, 32, {}, 32),  # 256 KB a step: LOOKAHEAD steps
-        (8192, 512, {}, 16),  # 16 MB a step: 256 MB of ids
-        (8192, 1024, {}, 8),  # 32 MB a step: never fewer than 8
-        (2048, 32, {"prefetch": 4}, 4),  # the config's own
+        (2048, 32, 1, {}, 32),  # 256 KB a step: WINDOW_STEPS steps
+        (2048, 32, 2, {}, 64),  # the lanes hold the rows: LOOKAHEAD steps
+        (2048, 32, 16, {}, 64),
+        (8192, 512, 1, {}, 16),  # 16 MB a step: 256 MB of ids
+        (8192, 512, 4, {}, 16),  # held by the lanes, the same bound
+        (8192, 1024, 1, {}, 8),  # 32 MB a step: never fewer than 8
+        (2048, 32, 1, {"prefetch": 4}, 4),  # the config's own
+        (2048, 32, 2, {"prefetch": 4}, 4),
     ],
 )
-def test_the_service_window(tmp_path, seq_len, batch, service, window):
+def test_the_service_window(tmp_path, seq_len, batch, lanes, service, window):
     """How many steps the batch server may make ahead of the slowest rank (the window a
-    rank's answer of up to 32 steps is taken from)."""
+    rank's answer of up to LOOKAHEAD steps is taken from)."""
     from service.server import prefetch_window
 
-    cfg = parse_config(_cfg(tmp_path, seq_len=seq_len, global_batch_size=batch, service=service))
+    cfg = parse_config(_cfg(tmp_path, seq_len=seq_len, global_batch_size=batch, lanes=lanes,
+                            service=service))  # fmt: skip
     assert prefetch_window(cfg) == window
-    assert cfg.config_hash() == parse_config(_cfg(tmp_path, seq_len=seq_len,
+    assert cfg.config_hash() == parse_config(_cfg(tmp_path, seq_len=seq_len, lanes=lanes,
                                                   global_batch_size=batch)).config_hash()  # fmt: skip
 
 

@@ -44,13 +44,18 @@ CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16, BEAT_GROUP: 4, REP
 # quarter of it), with the step it has consumed: liveness follows training, not fetching.
 BEAT_S = 5.0
 POLL_S = 2.0
-# A rank asks for up to this many steps per call (trainer.feed.Feed), and the server's window
-# holds up to this many by default (service.server.prefetch_window): a rank's cost, and the
-# server's, is mostly per call, and 32 steps cost ~1/3 of 8 per step (bench/serve_ranks.py).
-LOOKAHEAD = 32
+# A rank asks for up to this many steps per call (trainer.feed.Feed); it gets at most the
+# server's window (service.server.prefetch_window). A rank's cost, and the server's, is mostly
+# per call: 32 steps cost ~1/3 of 8 per step (bench/serve_ranks.py).
+LOOKAHEAD = 64
+# The window's default length when the server holds the steps' rows (lanes: 1). When the
+# lanes hold them (lanes > 1) the window holds where they are, and is LOOKAHEAD long: with 16
+# lanes and 16 ranks, 64 steps an answer cut the ranks' CPU per step by ~20% and the
+# server's by ~8% against 32 (docs/performance.md).
+WINDOW_STEPS = 32
 # An answer holds at most this many bytes of token ids (at least one step): what the rank
-# expands to ~8x in int64 tensors, and what the server may hold per step before it makes its
-# window shorter than LOOKAHEAD (WINDOW_BYTES).
+# expands to ~8x in int64 tensors, and what the server (or its lanes) may hold per step before
+# it makes its window shorter (WINDOW_BYTES).
 REPLY_BYTES = 8 << 20
 WINDOW_BYTES = 256 << 20
 # How long a rank that had to wait for a step may wait for more steps after it (server.get).
