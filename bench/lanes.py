@@ -102,16 +102,28 @@ def served(config: dict, work: Path, cores: int, tag: str, steps: int, world: in
             "world": world, "lanes_busy": ln,
             "served_from_start": d["tokens_per_s"]["from_start"]["served"],
             "actor_ms_per_step": cpu["actor_ms_per_step"],
-            "ranks_ms_per_step": cpu["ranks_ms_per_step"], "machine_busy": cpu["machine_busy"]}  # fmt: skip
+            "ranks_ms_per_step": cpu["ranks_ms_per_step"], "machine_busy": cpu["machine_busy"],
+            "lanes_ms_per_step": cpu.get("lanes_ms_per_step"),
+            "busiest_lane_cores": cpu.get("busiest_lane_cores")}  # fmt: skip
 
 
-def _busiest(ln: dict | None) -> str:
-    """The busiest lane's making time, wall and CPU, as a share of the serve (serve_ranks)."""
+def _busiest(r: dict) -> str:
+    """The lanes' processes' CPU per step and the busiest one's share of a core (steady), and
+    the busiest lane's making time, wall and its making thread's CPU, as a share of the serve
+    (serve_ranks)."""
+    ln, out = r["lanes_busy"], ""
+    if r.get("lanes_ms_per_step") is not None:
+        out = (f", lanes {r['lanes_ms_per_step']:.1f} ms/step (busiest process "
+               f"{r['busiest_lane_cores']:.0%} of a core)")  # fmt: skip
     if ln is None:
-        return ""
+        return out
     k = ln["busiest"]
-    return (f", busiest lane {k} {ln['busy'][k]:.0%} wall {ln['cpu'][k]:.0%} CPU, producer "
+    return (f"{out}, busiest lane {k} {ln['busy'][k]:.0%} wall {ln['cpu'][k]:.0%} CPU, producer "
             f"waited {ln['producer_waited']:.0%}")  # fmt: skip
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str | None,
@@ -141,7 +153,7 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
                 print(f"  {kind}, {n} cores, {lanes} lanes, {w} ranks, {n_steps} steps: served "
                       f"{r['served'] / 1e6:.2f}M tokens/s, export {exp}, "
                       f"actor {r['actor_ms_per_step']:.1f} ms/step, ranks "
-                      f"{r['ranks_ms_per_step']:.1f} ms/step{_busiest(r['lanes_busy'])}",
+                      f"{r['ranks_ms_per_step']:.1f} ms/step{_busiest(r)}",
                       flush=True)  # fmt: skip
             # The run of the median served rate, whole (its figures belong together).
             mid = sorted(runs, key=lambda r: r["served"])[len(runs) // 2]
@@ -149,8 +161,8 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
                          "runs_served": [r["served"] for r in runs]})  # fmt: skip
     base = {r["input"]: r["served"] for r in rows if r["cores"] == 1}
     head = (f"{'input':<14}{'cores':>6}{'lanes':>6}{'ranks':>6}{'served tok/s':>14}{'÷ N×1-core':>12}"
-            f"{'from start':>12}{'÷ export':>10}{'actor ms/step':>15}{'ranks ms/step':>15}"
-            f"{'busy':>6}")  # fmt: skip
+            f"{'from start':>12}{'÷ export':>10}{'actor ms/step':>15}{'lanes ms/step':>15}"
+            f"{'ranks ms/step':>15}{'busy':>6}")  # fmt: skip
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -159,8 +171,8 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
         print(f"{r['input']:<14}{r['cores']:>6}{r['lanes']:>6}{r['world']:>6}{r['served']:>14,.0f}"
               f"{scaling:>12}{r['served_from_start']:>12,.0f}{ratio:>10}"
-              f"{r['actor_ms_per_step']:>15.1f}{r['ranks_ms_per_step']:>15.1f}"
-              f"{r['machine_busy']:>6.0%}")  # fmt: skip
+              f"{r['actor_ms_per_step']:>15.1f}{_ms(r.get('lanes_ms_per_step')):>15}"
+              f"{r['ranks_ms_per_step']:>15.1f}{r['machine_busy']:>6.0%}")  # fmt: skip
     if repeats > 1:
         for r in rows:
             each = ", ".join(f"{x / 1e6:.2f}M" for x in r["runs_served"])

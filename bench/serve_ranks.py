@@ -265,11 +265,13 @@ def _machine_jiffies() -> tuple[int, int]:
 
 
 class Sampler:
-    """Every 50 ms: (time, machine busy/total jiffies, this process's CPU, the actor's CPU)."""
+    """Every 50 ms: (time, machine busy/total jiffies, this process's CPU, the actor's CPU,
+    each lane process's CPU)."""
 
     def __init__(self):
         self.samples: list[tuple] = []
         self.actor_pid: int | None = None
+        self.lane_pids: list[int] = []  # the lanes' processes on this machine (`lanes` > 1)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -287,7 +289,11 @@ class Sampler:
             if self.actor_pid is not None:
                 with contextlib.suppress(OSError, ValueError, IndexError):
                     actor = _cpu_s(self.actor_pid)
-            self.samples.append((time.monotonic(), *_machine_jiffies(), _cpu_s(), actor))
+            lanes = None
+            if self.lane_pids:
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    lanes = [_cpu_s(pid) for pid in self.lane_pids]
+            self.samples.append((time.monotonic(), *_machine_jiffies(), _cpu_s(), actor, lanes))
             self._stop.wait(0.05)
 
     def window(self, a: float, b: float) -> dict:
@@ -300,11 +306,34 @@ class Sampler:
 
         s0, s1 = at(a), at(b)
         actor = s1[4] - s0[4] if s0[4] is not None and s1[4] is not None else None
+        lanes = None
+        if s0[5] is not None and s1[5] is not None and len(s0[5]) == len(s1[5]):
+            lanes = [y - x for x, y in zip(s0[5], s1[5], strict=True)]
         return {
             "machine_busy": (s1[1] - s0[1]) / max(1, s1[2] - s0[2]),
             "this_process_cpu_s": s1[3] - s0[3],
             "actor_cpu_s": actor,
+            "lanes_cpu_s": lanes,  # per lane process
+            "seconds": s1[0] - s0[0],
         }
+
+
+def _lane_pids(actor, timeout_s: float = 120.0) -> list[int]:
+    """The lanes' processes, once every lane has said where it runs; only if all run on this
+    machine (their CPU is read from /proc). Empty with one lane."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        lanes = ray.get(actor.metrics.remote(), timeout=30).get("lanes") or []
+        if not lanes:
+            return []
+        if all(d.get("pid") for d in lanes):
+            if all(Path(f"/proc/{d['pid']}/stat").exists() for d in lanes):
+                return [int(d["pid"]) for d in lanes]
+            return []
+        time.sleep(0.2)
+    return []
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -424,7 +453,13 @@ def _table(r: dict) -> str:
         f"  {'CPU ms per step (steady)':<34}export driver "
         f"{'-' if exp is None else f'{exp[0]:.1f}'}"
         f" | server actor {'?' if actor is None else f'{actor:.1f}'}"
-        f" + ranks {cpu['served']['ranks_ms_per_step']:.1f}"
+        + (
+            ""
+            if (lanes_ms := cpu["served"].get("lanes_ms_per_step")) is None
+            else f" + lanes {lanes_ms:.1f} (busiest "
+            f"{cpu['served']['busiest_lane_cores']:.0%} of a core)"
+        )
+        + f" + ranks {cpu['served']['ranks_ms_per_step']:.1f}"
         f"   (machine busy {'-' if exp is None else f'{100 * exp[1]:.0f}%'} | "
         f"{100 * cpu['served']['machine_busy']:.0f}%)",
     ]
@@ -534,6 +569,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
                 time.sleep(0.01)
                 st = ray.get(actor.status.remote(), timeout=30)
             produced_at_connect = st["global_step"]
+            sampler.lane_pids = _lane_pids(actor)
             results = ranks.results(timeout_s=600)
             metrics = ray.get(actor.metrics.remote(), timeout=30)
         _close(actor)
@@ -593,6 +629,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
     cpu_served = sampler.window(max(done[s_a], t_pid), done[-1])
     ranks_cpu = cpu_served["this_process_cpu_s"] if args.threads else got["cpu"][-1] - got["cpu"][s_a]  # fmt: skip
     actor_cpu = cpu_served["actor_cpu_s"]
+    lanes_cpu = cpu_served["lanes_cpu_s"]
     result = {
         "ranks_as": "threads" if args.threads else "processes",
         "world_size": world,
@@ -638,6 +675,13 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
                 "machine_busy": cpu_served["machine_busy"],
                 "actor_ms_per_step": None if actor_cpu is None else 1e3 * actor_cpu / n_served,
                 "ranks_ms_per_step": 1e3 * ranks_cpu / n_served,
+                # The lane processes' CPU (all their threads: reading, tokenizing, packing,
+                # serving the ranks), and the busiest one's share of a core: a lane near 1
+                # is out of core, and every step waits for its slowest lane.
+                "lanes_ms_per_step": None if lanes_cpu is None else 1e3 * sum(lanes_cpu) / n_served,
+                "busiest_lane_cores": None
+                if lanes_cpu is None
+                else max(lanes_cpu) / max(1e-9, cpu_served["seconds"]),
             },
         },
         "wall_s": time.monotonic() - t_start,
