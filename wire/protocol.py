@@ -50,8 +50,8 @@ POLL_S = 2.0
 LOOKAHEAD = 64
 # The window's default length when the server holds the steps' rows (lanes: 1). When the
 # lanes hold them (lanes > 1) the window holds where they are, and is LOOKAHEAD long: with 16
-# lanes and 16 ranks, 64 steps an answer cut the ranks' CPU per step by ~20% and the
-# server's by ~8% against 32 (docs/performance.md).
+# lanes and 16 ranks, 64 steps an answer cut the ranks' CPU per step by a fifth to a third and
+# the server's by up to a quarter against 32 (docs/performance.md).
 WINDOW_STEPS = 32
 # An answer holds at most this many bytes of token ids (at least one step): what the rank
 # expands to ~8x in int64 tensors, and what the server (or its lanes) may hold per step before
