@@ -3,7 +3,7 @@
     python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
     python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--steps-per-core S]
         [--served-repeats 3] [--served-world 8|lanes] [--no-export] [--json PATH]
-    (either: [--inputs text,pre-tokenized] [--corpus FILE.jsonl])
+    (either: [--inputs text,pre-tokenized] [--corpus FILE.jsonl | site-packages[:MB]])
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
 export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
@@ -220,21 +220,24 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--inputs", default="text,pre-tokenized",
                     help="comma-separated: text, pre-tokenized (default both)")  # fmt: skip
-    ap.add_argument("--corpus", default=None, help="the text input, a JSONL file (default: the "
+    ap.add_argument("--corpus", default=None, help="the text input, a JSONL file, or "
+                    "site-packages[:MB] (bench/corpora.py: the size lanes are for; default: the "
                     "demo corpus's code.jsonl, built from this Python's stdlib)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     kinds = args.inputs.split(",")
     if unknown := set(kinds) - {"text", "pre-tokenized"}:
         raise SystemExit(f"--inputs: unknown {sorted(unknown)}; choose text, pre-tokenized")
+    from bench.corpora import resolve_corpus
     from service.cluster import usable_cpus
-    from service.demo_corpus import build_demo_corpus
 
     have = usable_cpus()
     cores = ([int(c) for c in args.cores.split(",")] if args.cores else
              [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= have])  # fmt: skip
     # The demo corpus is the running Python's stdlib: pass the same file to compare machines.
-    corpus = Path(args.corpus) if args.corpus else build_demo_corpus() / "code.jsonl"
+    # With many lanes, `site-packages`: 16 lanes of the demo corpus hold ~36 documents each,
+    # and the slowest share bounds them (bench/corpora.py).
+    corpus = resolve_corpus(args.corpus)
     work = Path(tempfile.mkdtemp(prefix="bench-lanes-"))
     base = {"seq_len": SEQ_LEN, "global_batch_size": BATCH, "packing": {"mode": "concat"}}
     text = base | {"streams": {"code": {"paths": [str(corpus)], "repeat": args.epochs}}}
