@@ -371,6 +371,7 @@ def cmd_check(args) -> int:
             f"{c.tokens:,} tokens in one pass"
         )
     _print_supply(cfg, supply(cfg, counts))
+    _print_lane_pace(cfg, counts)
     bad = {name: c.bad for name, c in counts.items() if c.bad}
     for name, n in bad.items():
         more = f" ({n - args.show} not listed)" if n > args.show else ""
@@ -381,6 +382,30 @@ def cmd_check(args) -> int:
     tokens = sum(c.tokens for c in counts.values())
     print(f"all {records:,} records ok ({tokens:,} tokens)")
     return 0
+
+
+def _print_lane_pace(cfg, counts) -> None:
+    """With lanes: how far apart the lanes' shares are in bytes read per token served (the
+    slowest lane sets the pace of all: every global step needs each lane's rows)."""
+    from pipeline.inspect.stats import lane_pace
+
+    pace = lane_pace(cfg, counts)
+    if pace is None:
+        return
+    slow = max(range(len(pace)), key=pace.__getitem__)
+    fast = min(range(len(pace)), key=pace.__getitem__)
+    mean = sum(pace) / len(pace)
+    print(
+        f"lanes: bytes read per token served, at the configured weights: {pace[fast]:.2f} "
+        f"(lane {fast}) to {pace[slow]:.2f} (lane {slow}), x{pace[slow] / pace[fast]:.2f} apart "
+        f"(mean {mean:.2f})"
+    )
+    print(
+        f"  a lane reads and tokenizes by the byte and serves tokens: expect lane {slow} to "
+        f"be the slowest, and the {cfg.lanes} lanes to serve at its pace, by this measure "
+        f"~{mean / pace[slow]:.2f} of the mean lane's (more data per lane, or fewer lanes, "
+        "evens the shares out; `python -m bench.lane_rates` measures each lane)"
+    )
 
 
 def _print_supply(cfg, sup: dict) -> None:

@@ -127,6 +127,34 @@ def test_check_finds_token_ids_outside_the_vocabulary(tmp_path, capsys):
     assert "t.parquet:1" in line and "token id 200000 is outside the tokenizer's vocabulary" in line
 
 
+def test_check_names_the_lane_whose_share_costs_most_bytes_per_token(tmp_path, capsys):
+    """With lanes, `check` gives each lane's bytes read per token served: the lane whose share
+    holds the most is the one all lanes wait for. One 12 kB document of long blank runs (many
+    bytes a token) is the largest piece, so it is lane 0's whole share; twelve 1 kB documents
+    of numbers (few bytes a token) are lane 1's."""
+    from pipeline.inspect.stats import count_corpus, lane_pace
+    from pipeline.read.resolve import load_config
+
+    sparse = "".join(f"word{i}" + " " * 120 + "\n" for i in range(96))[:12_000]
+    dense = [" ".join(str(i * j % 997) for j in range(250))[:1000] for i in range(12)]
+    write_jsonl(tmp_path / "a_sparse.jsonl", [sparse])
+    write_jsonl(tmp_path / "b_dense.jsonl", dense)
+    cfg = _config(tmp_path, {"s": {"paths": ["a_sparse.jsonl", "b_dense.jsonl"]}}, lanes=2,
+                  shuffle={"piece_bytes": 4096}, read={"first_block_bytes": 4096})  # fmt: skip
+    counts = count_corpus(load_config(cfg), lambda r: None)
+    whole = count_corpus(load_config(cfg).model_copy(update={"lanes": 1}), lambda r: None)
+    (lanes,) = [c.lanes for c in counts.values()]
+    assert sum(t for _, t in lanes) == whole["s"].tokens == counts["s"].tokens
+    assert sum(b for b, _ in lanes) == sum((tmp_path / f).stat().st_size
+                                           for f in ("a_sparse.jsonl", "b_dense.jsonl"))  # fmt: skip
+    pace = lane_pace(load_config(cfg), counts)
+    assert pace is not None and pace[0] > 4 * pace[1], pace
+    assert main(["check", "--config", cfg]) == 0
+    out = capsys.readouterr().out
+    assert f"{pace[1]:.2f} (lane 1) to {pace[0]:.2f} (lane 0)" in out
+    assert "expect lane 0 to be the slowest" in out
+
+
 def test_bench_runs_the_checkouts_benchmarks_in_a_process_of_their_own(capfd):
     """`tokenmill bench [e2e]` is `python -m bench [e2e]`; the product never imports bench/."""
     import ast

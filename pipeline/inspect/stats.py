@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -119,6 +119,10 @@ class StreamCount:
     bad: int = 0
     tokens: int = 0
     kept_tokens: int = 0
+    # With lanes: each lane's share, (bytes it reads, tokens they make). A lane's reading and
+    # tokenizing cost by the byte and its rows are tokens, so the lane whose share holds the
+    # most bytes per token is the slowest, and the K lanes serve at its pace (`lane_pace`).
+    lanes: list[tuple[int, int]] = field(default_factory=list)
 
 
 def count_corpus(cfg: Config, on_reject: Callable[[Reject], None]) -> dict[str, StreamCount]:
@@ -132,16 +136,49 @@ def count_corpus(cfg: Config, on_reject: Callable[[Reject], None]) -> dict[str, 
     one_pass = cfg.model_copy(update={"on_error": "skip", "streams": once})
     out = {}
     for i, name in enumerate(cfg.streams):
-        sd = DocSource(name, i, one_pass, iter_blocks_local, on_reject)
-        kept = 0
-        for doc in sd:
-            n = len(doc)
-            kept += (
-                n if overflow == "split" else min(n, L) if overflow == "truncate" else n * (n <= L)
-            )
-        c = sd.counters
-        out[name] = StreamCount(c.docs + c.skipped, c.docs, c.skipped, c.tokens, kept)
+        count = out[name] = StreamCount()
+        # With lanes, each lane's share on its own (the same records in all, read once), so
+        # that each lane's tokens are known; bad records come lane by lane, each in read order.
+        for lane in range(cfg.lanes) if cfg.lanes > 1 else [None]:
+            sd = DocSource(name, i, one_pass, iter_blocks_local, on_reject, lane=lane)
+            kept = 0
+            for doc in sd:
+                n = len(doc)
+                kept += (
+                    n
+                    if overflow == "split"
+                    else min(n, L)
+                    if overflow == "truncate"
+                    else n * (n <= L)
+                )
+            c = sd.counters
+            count.records += c.docs + c.skipped
+            count.docs += c.docs
+            count.bad += c.skipped
+            count.tokens += c.tokens
+            count.kept_tokens += kept
+            if lane is not None:
+                count.lanes.append((sd.share_bytes(), c.tokens))
     return out
+
+
+def lane_pace(cfg: Config, counts: dict[str, StreamCount]) -> list[float] | None:
+    """Each lane's bytes read per token it serves, at the configured weights (a lane mixes its
+    streams by token weight, so a token of stream s costs its share's bytes per token of s),
+    from `count_corpus`; None without lanes or tokens. The lane with the most is the slowest:
+    the lanes serve at its pace."""
+    w = cfg.weights
+    if cfg.lanes == 1 or not counts:
+        return None
+    pace = [0.0] * cfg.lanes
+    for name, c in counts.items():
+        if len(c.lanes) != cfg.lanes or w.get(name, 0) <= 0:
+            continue
+        for k, (size, tokens) in enumerate(c.lanes):
+            if tokens == 0:
+                return None  # a share with no token: the run fails on it (check says so)
+            pace[k] += w[name] * size / tokens
+    return pace if any(pace) else None
 
 
 def supply(cfg: Config, counts: dict[str, StreamCount]) -> dict:

@@ -360,6 +360,10 @@ class DocSource:
             )
         return lanes
 
+    def share_bytes(self) -> int:
+        """The bytes (work) of the pieces this lane reads: the whole stream with one lane."""
+        return sum(p.work for per_file in self._lane_files() for p in per_file)
+
     def _lane_files(self) -> list[list[Piece]]:
         """Every file's pieces that this lane reads (all of them with one lane)."""
         if self.lanes == 1:
