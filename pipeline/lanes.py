@@ -48,7 +48,13 @@ import pyarrow as pa
 
 from pipeline.config import Config, normalize_weights
 from pipeline.feed import Feed, LeaveOut
-from pipeline.read.reading import iter_blocks_local, iter_blocks_ray, with_head_start
+from pipeline.read.reading import (
+    Executor,
+    iter_blocks_local,
+    iter_blocks_ray,
+    with_head_start,
+)
+from pipeline.read.reading import read_ahead as reading_ahead
 from pipeline.stages.documents import Reject
 from pipeline.stages.mixing import DeficitMixer
 from pipeline.stages.policy import window_for
@@ -70,7 +76,7 @@ from pipeline.state.summary import RunSummary, RunTotals, StreamSummary, describ
 from wire.arrays import from_ipc, own, to_ipc, view
 from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts, lane_parts, rank_meta
 from wire.layout import compact, step_path, write_step
-from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
+from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE, WINDOW_BYTES
 from wire.schema import StepChunk
 
 STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane), at least
@@ -94,7 +100,8 @@ def steps_per_call(lanes: int) -> int:
 # (its next was asked once its answer was back) and between the ranks' bursts. Served
 # pre-tokenized, 2 lanes on 2 cores, 4 steps a call (bench.serve_ranks, one run each): 5.7M
 # tokens/s with 1 chunk ahead, 7.7M with 2, 10.1M with 3, 12.2M with 4 (8 steps x 2: 10.6M).
-# A weight change lands after the steps asked: up to in_flight(K) x steps_per_call(K) steps.
+# A weight change lands after the steps asked: up to in_flight(K) x steps_per_call(K) steps
+# while the lanes keep ahead (more while the control waits on them: `most_in_flight`).
 IN_FLIGHT = 4
 
 
@@ -103,6 +110,63 @@ def in_flight(lanes: int) -> int:
     steps: 3 chunks of 6 at 3 lanes), and at least two (one being made while the one before
     is answered)."""
     return max(2, -(-IN_FLIGHT * STEPS_PER_CALL // steps_per_call(lanes)))
+
+
+# While the control waits on the lanes, it asks more chunks ahead, up to a read unit's tokens
+# a lane (`most_in_flight`). A lane reads and tokenizes a whole read unit (up to
+# `read.block_bytes`) in the step that first needs it: at 16 lanes a unit of 8 MiB is ~450 of
+# a lane's steps and ~0.2 s of a core, and every other lane, whose steps wait for this one's,
+# stops once it has made the chunks asked of it. `python -m bench.lane_window` replays each
+# lane's time per step (each alone on a core) as the control asks them: 16 lanes of 128 MiB
+# of Python sources made 0.55 of the slowest lane's own rate 64 steps ahead, 1.00 at 256.
+# While the lanes keep ahead, the control waits on no answer and asks `in_flight` chunks
+# again: a weight change lands after the steps asked, so the depth returns to where it costs
+# least (pipeline/lanes.py `LanedFeed._fill`).
+BYTES_PER_TOKEN = 4  # a read unit's tokens, roughly: text (~4 bytes a token) or int32 ids
+MOST_AHEAD_STEPS = 1024
+
+
+def most_in_flight(cfg: Config) -> int:
+    """The most chunks asked ahead: a read unit's tokens of one lane's steps (at most
+    MOST_AHEAD_STEPS, and the WINDOW_BYTES the control's window may hold), at least
+    `in_flight`."""
+    lanes = cfg.lanes
+    lane_step = cfg.global_batch_size // lanes * cfg.seq_len  # tokens of a lane's step
+    steps = min(-(-cfg.read.block_bytes // BYTES_PER_TOKEN // lane_step), MOST_AHEAD_STEPS,
+                WINDOW_BYTES // (cfg.global_batch_size * cfg.seq_len * 4))  # fmt: skip
+    return max(in_flight(lanes), -(-steps // steps_per_call(lanes)))
+
+
+# A lane "has a core" when its process used at least this share of one while it made its
+# last chunk. Where lanes share cores (16 lanes on 2), a lane that waits leaves no core idle
+# that a deeper bank could use, and asking further ahead cost there: 16 lanes and 16 ranks on
+# 2 cores served ~11% less, their lanes ~11% more CPU per step (every lane busy at once).
+CORED = 0.75
+
+
+def had_cores(before: list[tuple[float, float]], answers: list[LaneMade]
+              ) -> tuple[bool, list[tuple[float, float]]]:  # fmt: skip
+    """Whether the lanes had cores of their own making `answers` (one LaneMade a lane): their
+    processes' CPU over their making time since `before` (each lane's `making_s`,
+    `making_process_s` at its last answer), summed over the lanes, at least CORED; and the
+    figures to compare the next answers with. A lane that made nothing keeps its figures."""
+    wall = cpu = 0.0
+    after = list(before)
+    for k, made in enumerate(answers):
+        if not len(made):
+            continue
+        wall += made.making_s - before[k][0]
+        cpu += made.making_process_s - before[k][1]
+        after[k] = (made.making_s, made.making_process_s)
+    return wall > 0 and cpu >= CORED * wall, after
+
+
+def next_depth(depth: int, waited: bool, least: int, most: int) -> int:
+    """The chunks to ask ahead after joining one: twice as many after waiting on lanes that
+    have cores of their own (`waited`: they are the bottleneck, and a deeper bank lets a
+    lane's burst pass while the others go on), else one fewer (the lanes keep ahead, or share
+    their cores: fewer steps for a weight change to wait)."""
+    return min(most, depth * 2) if waited else max(least, depth - 1)
 
 
 PENDING = ".lane"  # a step file a lane wrote, until the export takes its step
@@ -177,6 +241,9 @@ class LaneMade:
     held: int = 0
     making_s: float = 0.0
     making_cpu_s: float = 0.0
+    # The lane's process's CPU seconds (all its threads: the tokenizer's pool, the ranks'
+    # takes) while it made steps so far: with `making_s`, whether the lane had a core.
+    making_process_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -245,7 +312,7 @@ class LaneWorker:
     def __init__(self, cfg_json: dict, lane: int, state: dict | None, allow_config_change: bool,
                  full_batches: bool, local: bool, ipc: bool,
                  leave_out: LeaveOut | None = None, hold: bool = False,
-                 writes: Writes | None = None):  # fmt: skip
+                 writes: Writes | None = None, read_ahead: bool | None = None):  # fmt: skip
         cfg = Config.model_validate(cfg_json)
         self.lane = lane
         self.lanes, self.global_batch_size = cfg.lanes, cfg.global_batch_size
@@ -259,14 +326,21 @@ class LaneWorker:
         self._held_lock = threading.Lock()
         # `read.in_lanes`: the lane reads and tokenizes its share itself, no block crosses a
         # process (K lanes are K tokenizing processes); else through Ray Data's tasks.
+        # A lane on an actor reads its share on a thread of its own, ahead of its packer
+        # (`read.ahead`, `reading.read_ahead`: the same blocks); in-process lanes (`local`:
+        # one after the other, in the caller's thread) read as they pack, unless told.
+        ahead = (not local and cfg.read.ahead) if read_ahead is None else read_ahead
         local = local or cfg.read.in_lanes
-        executor = iter_blocks_local if local else iter_blocks_ray
+        executor: Executor = iter_blocks_local if local else iter_blocks_ray
+        if local and ahead:
+            executor = reading_ahead(executor)
         first = None if local else with_head_start(executor)
         self.feed = Feed(cfg, executor, first, state=state, leave_out=leave_out,
                          allow_config_change=allow_config_change, lane=lane)  # fmt: skip
         self.feed.full_batches = full_batches
         self.ipc = ipc
         self.making_s = self.making_cpu_s = 0.0  # Receipt `making_s`, `making_cpu_s`
+        self.making_process_s = 0.0  # LaneMade `making_process_s`
 
     def steps(self, n: int, state_every: int, release_below: int | None = None
               ) -> tuple[list[tuple[Any, Kept | None]] | LaneMade, list[Reject]]:  # fmt: skip
@@ -278,13 +352,16 @@ class LaneWorker:
             with self._held_lock:
                 for step in [s for s in self.held if s < release_below]:
                     del self.held[step]
-        wall, cpu = time.monotonic(), time.thread_time()
+        if n == 0:  # a release only (`LanedFeed.release`): nobody reads the answer
+            return [], []
+        wall, cpu, process = time.monotonic(), time.thread_time(), time.process_time()
         if self.hold:
             chunk, states = self.feed.kept_chunk(n, state_every)
         else:
             made = self.feed.kept_steps(n, state_every)
         self.making_s += time.monotonic() - wall
         self.making_cpu_s += time.thread_time() - cpu
+        self.making_process_s += time.process_time() - process
         rejects = list(self.feed.rejects)
         self.feed.rejects.clear()
         if not self.hold:
@@ -304,7 +381,8 @@ class LaneWorker:
                       "labels": tuple(d.get("labels", False) for d in done)}  # fmt: skip
         return LaneMade(chunk.first, np.diff(chunk.starts), chunk.real_tokens, chunk.tokens,
                         chunk.docs, states, **writes, held=held, making_s=self.making_s,
-                        making_cpu_s=self.making_cpu_s), rejects  # fmt: skip
+                        making_cpu_s=self.making_cpu_s,
+                        making_process_s=self.making_process_s), rejects  # fmt: skip
 
     def _write(self, step: int, batch: pa.RecordBatch) -> dict:
         """The files of `step` whose ranks' rows lie in this lane's part, if the part is full
@@ -476,6 +554,7 @@ class LanedFeed:
         self.hold = (hold or writes is not None) and not local
         self.writes = writes if self.hold else None
         self._release: int | None = None  # the lanes let go of steps before this (hold)
+        self._told = 0  # the last `release` the lanes were told
         self.names = list(cfg.streams)
         self.config_hash = cfg.config_hash()
         self.full_batches = full_batches
@@ -564,6 +643,11 @@ class LanedFeed:
         self._pending: collections.deque[tuple[int, list]] = collections.deque()
         self._asked = self.step  # steps asked of every lane: the first step no lane has begun
         self._first = self.step  # the first call asks STEPS_PER_CALL: the first step comes sooner
+        # Chunks asked ahead of the one joined: `in_flight` while the lanes keep ahead, more
+        # while the control waits on them (`next_depth`, `most_in_flight`).
+        self.depth = self._least_depth = in_flight(K)
+        self._most_depth = most_in_flight(cfg)
+        self._making = [(0.0, 0.0)] * K  # each lane's making_s, making_process_s last answered
         self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
         # The state after the last step handed out; at the start, the lanes' own.
         self._state: Nested | None = (
@@ -595,9 +679,18 @@ class LanedFeed:
 
     def release(self, below: int) -> None:
         """Every rank has taken the steps before `below` from the lanes (hold): the lanes may
-        let them go, told with the next steps asked of them."""
+        let them go, told with the next steps asked of them. Once the data has ended no step
+        is asked again, so they are told alone (a call for no step), a chunk's steps at a
+        time: the steps made ahead at the end can be many (`most_in_flight`)."""
         with self._lock:
             self._release = max(below, self._release or 0)
+            if not (self.finished and self.hold) or isinstance(self.lanes[0], _Local):
+                return
+            if self._release - self._told < steps_per_call(len(self.lanes)):
+                return
+            self._told, self._release = self._release, None
+            for lane in self.lanes:
+                lane.call("steps", 0, 0, self._told)  # answered by nobody: a release only
 
     def _room(self) -> int:
         """How many steps may be asked of the lanes now: steps_per_call(K), but never past
@@ -624,23 +717,28 @@ class LanedFeed:
                 return None
             self._asked += n
             release, self._release = self._release, None
+            if release is not None:
+                self._told = release
             return n, [lane.call("steps", n, self.state_every, release) for lane in self.lanes]
 
     def _fill(self) -> None:
         chunk = self._pending.popleft() if self._pending else self._ask()
         assert chunk is not None  # nothing pending and nothing ready: the step made is asked
         n, asked = chunk
+        made_already = self._made(asked)
         t = time.monotonic()
         answers = [self._answer(k, call) for k, call in enumerate(asked)]
         self.waited_s += time.monotonic() - t
+        cored = self._cored([made for made, _ in answers])
+        self.depth = next_depth(self.depth, not made_already and cored, self._least_depth,
+                                self._most_depth)  # fmt: skip
         if self.hold:
             for k, (lane_made, _) in enumerate(answers):
                 if len(lane_made):
                     self._last[k] = lane_made
         self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
-        depth = in_flight(len(self.lanes))
-        while not isinstance(self.lanes[0], _Local) and len(self._pending) < depth:
+        while not isinstance(self.lanes[0], _Local) and len(self._pending) < self.depth:
             ahead = self._ask()
             if ahead is None:  # the mixing policy's next decision comes first
                 break
@@ -688,6 +786,23 @@ class LanedFeed:
             if short:
                 self.finished = True
                 return
+
+    def _cored(self, answers: list) -> bool:
+        """Whether the lanes had cores of their own making these answers (`had_cores`);
+        remembers their figures for the next."""
+        if not self.hold:
+            return False
+        cored, self._making = had_cores(self._making, answers)
+        return cored
+
+    def _made(self, asked: list) -> bool:
+        """Whether every lane has answered `asked` (one call each) already."""
+        if isinstance(self.lanes[0], _Local):
+            return True
+        import ray
+
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0)
+        return len(ready) == len(asked)
 
     def _confirm_changes(self) -> None:
         """Weight changes set without waiting (`set_weights(wait=False)`) that every lane has

@@ -551,6 +551,12 @@ def _families(m: dict, st: dict) -> list:
             "Seconds the producer waited for the lanes' answers",
             m.get("lanes_waited_s"),
         )
+        gauge(
+            "lanes_chunks_ahead",
+            "Chunks of steps asked of the lanes ahead of the one joined: more while the "
+            "producer waits on lanes that have cores of their own",
+            m.get("lanes_chunks_ahead"),
+        )
     gauge(
         "lag_normal_max_steps",
         "Top of a rank's normal lag: the prefetch window plus one fetch",

@@ -973,6 +973,7 @@ class BatchServer:
                 # `lanes` > 1: where each lane runs and the steps it holds (pipeline/lanes.py)
                 "lanes": self.feed.lane_view() if hasattr(self.feed, "lane_view") else None,
                 "lanes_waited_s": getattr(self.feed, "waited_s", None),  # producer, on lanes
+                "lanes_chunks_ahead": getattr(self.feed, "depth", None),  # LanedFeed.depth
                 "prefetch": self.prefetch,
                 "real_tokens": s.real_tokens,
                 "rows": s.rows,

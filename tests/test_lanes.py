@@ -83,6 +83,76 @@ def test_lanes_are_asked_2k_steps_a_call_with_16_steps_ahead():
     assert STEPS_PER_CALL == 4
 
 
+def test_the_control_asks_more_chunks_ahead_while_it_waits_on_the_lanes(streams, ray_cluster,
+                                                                         monkeypatch):  # fmt: skip
+    """While the control waits on lanes that have cores of their own it asks twice as many
+    chunks ahead, up to a read unit's tokens of a lane's steps (`most_in_flight`): a lane
+    tokenizing a unit then does not stop the others. While the answers are made before it
+    asks, or the lanes share their cores, one fewer, down to `in_flight`: a weight change
+    waits for fewer steps."""
+    import time
+    from dataclasses import replace
+
+    import numpy as np
+
+    from pipeline import lanes as lanes_module
+    from pipeline.lanes import (
+        LaneMade,
+        had_cores,
+        in_flight,
+        most_in_flight,
+        next_depth,
+        steps_per_call,
+    )
+
+    big = parse_config({"seq_len": 2048, "global_batch_size": 32, "lanes": 16,
+                        "streams": streams})  # fmt: skip
+    assert most_in_flight(big) == 16  # 8 MiB ~ 2M tokens, 512 of a lane's 4,096-token steps
+    huge = parse_config({"seq_len": 8192, "global_batch_size": 1024, "lanes": 2,
+                         "streams": streams})  # fmt: skip
+    assert most_in_flight(huge) == in_flight(2)  # 32 MB a step: the window's bytes bound it
+    depths = [2]
+    for waited in [True] * 5 + [False] * 20:
+        depths.append(next_depth(depths[-1], waited, 2, 16))
+    assert depths[:6] == [2, 4, 8, 16, 16, 16] and depths[-1] == 2
+    assert depths[6:9] == [15, 14, 13]
+
+    # Lanes have cores of their own when their processes' CPU keeps up with their making.
+    def made(wall: float, process: float) -> LaneMade:
+        return replace(empty, making_s=wall, making_process_s=process)
+
+    empty = LaneMade(0, np.ones(1), np.ones(1), np.ones((1, 1)), np.ones((1, 1)), [None])
+    cored, after = had_cores([(0.0, 0.0)] * 2, [made(1.0, 0.9), made(2.0, 1.6)])
+    assert cored and after == [(1.0, 0.9), (2.0, 1.6)]
+    assert not had_cores(after, [made(2.0, 1.0), made(3.0, 1.7)])[0]  # 0.2 of a core: shared
+    nothing = replace(empty, rows=np.zeros(0))
+    assert had_cores(after, [made(2.0, 1.9), nothing]) == (True, [(2.0, 1.9), (2.0, 1.6)])
+
+    # Live, on actors. This machine's cores are shared with the test, so the lanes are taken
+    # to have cores of their own whatever they had (CORED 0): the rule above decides that.
+    monkeypatch.setattr(lanes_module, "CORED", 0.0)
+    cfg = config({n: s | {"repeat": 40} for n, s in streams.items()}, 2,
+                 read={"first_block_bytes": 8 << 10, "block_bytes": 64 << 10})  # fmt: skip
+    least, most = in_flight(2), most_in_flight(cfg)
+    assert (least, most) == (4, 8)  # 64 KiB: 16k tokens, 32 steps of 4 x 128
+    feed = LanedFeed(cfg, hold=True)
+    try:
+        seen = [feed.depth]
+        for _ in range(12):  # taken as fast as they come: the lanes read as they go
+            feed.next_step()
+            seen.append(feed.depth)
+        assert seen[0] == least and max(seen) > least, seen
+        for _ in range(most * 3):  # each chunk taken once its lanes have long made it
+            time.sleep(0.2)
+            for _ in range(steps_per_call(2)):
+                feed.next_step()
+            if feed.depth == least:
+                break
+        assert feed.depth == least
+    finally:
+        feed.close()
+
+
 def test_a_nested_state_is_sealed_once_and_keeps_one_copy():
     """A laned step's state is kept as its lanes' parts and sealed when first asked for: the
     seal is the one over the lanes' digests, asked again it is the same object, and the parts
@@ -349,6 +419,81 @@ def test_the_summary_counts_what_was_served(streams):
     assert abs(summary.streams["code"].realized_share - 0.7) < 0.05
 
 
+def test_a_lane_reading_ahead_makes_the_steps_of_a_lane_reading_as_it_packs(streams,
+                                                                            monkeypatch):  # fmt: skip
+    """A lane actor reads its share on a thread of its own (`read.ahead`,
+    `reading.read_ahead`): through several epochs, chained (small epochs read together), to
+    the data's end, its steps, states and rows are those of a lane that reads as it packs;
+    closed, it leaves no reading thread behind. A record that fails the read fails the lane
+    reading ahead with the error it raises reading as it packs."""
+    import threading
+
+    from pipeline.lanes import LaneWorker
+    from pipeline.read import reading
+
+    def threads() -> int:
+        return sum(t.name == "tokenmill-prefetch" for t in threading.enumerate())
+
+    tokenized_on: set[str] = set()  # the threads that tokenized a unit
+    tokenize_unit = reading.tokenize_unit
+
+    def noting(*args, **kw):
+        tokenized_on.add(threading.current_thread().name)
+        return tokenize_unit(*args, **kw)
+
+    monkeypatch.setattr(reading, "tokenize_unit", noting)
+
+    def run(cfg, ahead: bool, k: int = 1):
+        cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
+        lane = LaneWorker(cfg_json, k, None, False, False, True, False, hold=True,
+                          read_ahead=ahead)  # fmt: skip
+        out = []
+        tokenized_on.clear()
+        try:
+            while True:
+                made, _ = lane.steps(3, 1, len(out) - 4)
+                if not len(made):
+                    break
+                out += [(s.text, lane.part(made.first + j)) for j, s in enumerate(made.states)]
+        finally:
+            lane.close()
+        assert tokenized_on == ({"tokenmill-prefetch"} if ahead else {"MainThread"})
+        return out
+
+    cfg = config({n: s | {"repeat": 3} for n, s in streams.items()}, 2)
+    before = threads()
+    plain, ahead = run(cfg, False), run(cfg, True)
+    assert len(plain) > 20 and ahead == plain
+    assert threads() == before
+
+    bad = streams["code"] | {"paths": streams["code"]["paths"] + [str(_bad_file(streams))]}
+    failing = config({"code": bad}, 2, on_error="fail")
+
+    def outcomes(read_ahead: bool) -> list:
+        out = []
+        for k in (0, 1):  # the lane whose share holds the bad file fails
+            try:
+                out.append(len(run(failing, read_ahead, k)))
+            except Exception as e:  # the same error, whatever it is
+                out.append((type(e), str(e)))
+        return out
+
+    plain_outcome = outcomes(False)
+    assert any(isinstance(o, tuple) for o in plain_outcome), plain_outcome
+    assert outcomes(True) == plain_outcome
+    assert threads() == before
+
+
+def _bad_file(streams) -> object:
+    import glob
+    from pathlib import Path
+
+    first = Path(sorted(glob.glob(streams["code"]["paths"][0]))[0])
+    bad = first.with_name("zz_bad.notjsonl.jsonl")
+    bad.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    return bad
+
+
 @pytest.mark.slow
 def test_lanes_on_ray_actors_make_the_bytes_of_lanes_in_one_process(streams, ray_cluster,
                                                                     tmp_path):  # fmt: skip
@@ -547,7 +692,7 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
     import ray
 
     from pipeline.feed import rank_slice
-    from pipeline.lanes import LanedStep, in_flight, steps_per_call
+    from pipeline.lanes import LanedStep, in_flight, most_in_flight, steps_per_call
     from service.api import prometheus_text
     from service.server import BatchServer
     from wire.arrays import from_ipc
@@ -596,7 +741,7 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
             assert pos == [len(want)] * world, (world, pos)
             # Metrics say where each lane runs and what it holds: K live processes of their
             # own, each holding at most the window, a fetch per rank and the steps made ahead.
-            bound = 3 + 2 * 2 + (in_flight(lanes) + 1) * steps_per_call(lanes)
+            bound = 3 + 2 * 2 + (most_in_flight(cfg) + 1) * steps_per_call(lanes)
             assert all(len(v) == lanes for v in views)
             assert max(d["held_steps"] for v in views for d in v) > 0
             assert all(d["held_steps"] <= bound for v in views for d in v), views
@@ -615,6 +760,9 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
             assert text.count("tokenmill_lane_making_seconds_total{lane=") == lanes
             assert text.count("tokenmill_lane_making_cpu_seconds_total{lane=") == lanes
             assert "tokenmill_lanes_waited_seconds_total " in text
+            ahead = srv.metrics()["lanes_chunks_ahead"]  # LanedFeed.depth
+            assert in_flight(lanes) <= ahead <= most_in_flight(cfg)
+            assert f"tokenmill_lanes_chunks_ahead {float(ahead)}" in text
             first = srv.feed.lanes[0].handle  # every rank asked past step 0 long ago
             with pytest.raises(ray.exceptions.RayTaskError, match="no longer holds step 0"):
                 ray.get(first.take.options(concurrency_group="serve").remote([(0, 0, 1)], 0, 1))

@@ -503,6 +503,23 @@ def iter_blocks_ray(
     return Prefetcher(blocks, prefetch)
 
 
+def read_ahead(executor: Executor, depth: int = 1) -> Executor:
+    """`executor`, run on a thread of its own (`Prefetcher`) up to `depth` blocks ahead of the
+    consumer, and one more being made: the same blocks, in the same order.
+
+    A lane that reads its share itself (`read.in_lanes`) tokenizes a whole read unit when its
+    packer first needs a document of it: up to `read.block_bytes` (8 MiB) of text, ~0.2 s on a
+    core, while the other lanes, whose steps wait for this one's, stand still. Read ahead, the
+    unit is made while the lane waits for the others or for window room, and its steps come
+    evenly. The fast engines release the GIL while they encode (`LoadedTokenizer` is shared by
+    the threads of a process: engines.py)."""
+
+    def run(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig):
+        return Prefetcher(lambda: executor(units, stream, tok_cfg), depth)
+
+    return run
+
+
 def ray_executor(ready: Future | None = None) -> Executor:
     """The Ray Data executor; with `ready`, its executions wait for Ray to be connected."""
     return functools.partial(iter_blocks_ray, ready=ready)
@@ -525,6 +542,7 @@ __all__ = [
     "Unit",
     "group_units",
     "iter_blocks_local",
+    "read_ahead",
     "iter_blocks_ray",
     "ray_executor",
     "with_head_start",
