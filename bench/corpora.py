@@ -14,9 +14,9 @@ Why a second one: K lanes serve at the pace of the slowest lane (every global st
 K), and a lane reads a fixed share of each stream's pieces. The demo corpus split 16 ways is
 ~36 documents a lane, a few of them hundreds of kB, so a lane's share is a handful of files,
 and the shares differ in characters per token and in what the HF check covers: each lane
-alone on a core, the fastest made ×1.33–1.38 the slowest's tokens/s
+alone on a core, the fastest made ×1.31–1.35 the slowest's tokens/s
 (`python -m bench.lane_rates --lanes 16`). A corpus of the size lanes are for gives every
-lane hundreds of documents: ×1.11 over the same code. Benches that measure lanes at many
+lane hundreds of documents: ×1.08–1.13 over the same code. Benches that measure lanes at many
 cores take `--corpus site-packages` (or `site-packages:MB`): the corpus a user with lanes
 has is the large one. It differs between machines (what is installed), so compare ratios,
 each measured in one run, not absolute figures across machines.

@@ -1,6 +1,7 @@
 """Each lane's own rate: what bounds K lanes when each has a core.
 
-    python -m bench.lane_rates [--lanes 16] [--corpus FILE.jsonl] [--steps 600] [--json PATH]
+    python -m bench.lane_rates [--lanes 16] [--corpus FILE.jsonl] [--steps 600] [--read-ahead]
+        [--json PATH]
 
 Every global step needs all K lanes' parts, so K lanes serve at most K × the slowest lane's
 rate, however many cores they have. This bench makes each lane's steps alone, one after the
@@ -20,9 +21,10 @@ core making a lane's share of each step keeps of what it makes as the only lane 
 cost is partly per step, whatever its rows).
 
 The corpus decides the spread. The demo corpus is ~580 documents: 16 lanes hold ~36 each,
-and their shares differ (the fastest lane made ×1.33–1.38 the slowest's rate on Python
+and their shares differ (the fastest lane made ×1.31–1.35 the slowest's rate on Python
 3.11's stdlib). The site-packages corpus (128 MiB, ~10,000 documents) gives each lane
-hundreds: ×1.11.
+hundreds: ×1.08–1.13. `tokenmill check` predicts the slowest lane from each share's bytes per
+token.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from pathlib import Path
 SEQ_LEN, BATCH = 2048, 32
 
 
-def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = None) -> list[dict]:
+def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = None,
+               ahead: bool = False) -> list[dict]:  # fmt: skip
     """Each lane's tokens/s making `steps` lane steps alone, and its checked share."""
     from pipeline.lanes import LaneWorker, steps_per_call
     from pipeline.read.resolve import parse_config
@@ -60,7 +63,8 @@ def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = Non
             # As the batch server runs a lane: holding its steps (compact), a state every step,
             # and its rows taken by the rank of a world of K whose rows it holds.
             lane = LaneWorker(cfg.model_dump(mode="json", context={"reveal_secrets": True}), k,
-                              None, False, False, True, False, hold=True)  # fmt: skip
+                              None, False, False, True, False, hold=True,
+                              read_ahead=ahead)  # fmt: skip
             per_call = steps_per_call(lanes)  # as the batch server asks
             lane.steps(per_call, 0)  # warm: the tokenizer loaded, the first read begun
             # Steady: timed over the second half of the steps. The first epoch is read in
@@ -95,6 +99,8 @@ def main(argv=None) -> int:
     ap.add_argument("--corpus", default=None, help="a JSONL text file, or site-packages[:MB] "
                     "(bench/corpora.py; default: the demo's code)")  # fmt: skip
     ap.add_argument("--steps", type=int, default=600, help="lane steps per lane")
+    ap.add_argument("--read-ahead", action="store_true", help="each lane reads on a thread "
+                    "of its own, as `read.ahead: true` has a lane actor do (default: False)")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if BATCH % args.lanes:
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
     from bench.corpora import resolve_corpus
 
     corpus = str(resolve_corpus(args.corpus))
-    rows = lane_rates(corpus, args.lanes, args.steps)
+    rows = lane_rates(corpus, args.lanes, args.steps, ahead=args.read_ahead)
     rates = [r["tokens_per_s"] for r in rows]
     slow = min(range(len(rates)), key=rates.__getitem__)
     print(f"{args.lanes} lanes: slowest lane {slow} at {rates[slow] / 1e6:.2f}M tokens/s, fastest "
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
     # The baseline makes the K lanes' tokens together: its steady half then covers as much of
     # the corpus as the lanes' runs do (on 128 MiB of site-packages, one lane's rate over 2 s
     # ranged 5.8M-13.3M tokens/s with what it read: a shorter run measures a part of it).
-    base = lane_rates(corpus, 1, args.steps, only=[0])[0]["tokens_per_s"]
+    base = lane_rates(corpus, 1, args.steps, only=[0], ahead=args.read_ahead)[0]["tokens_per_s"]
     print(f"one lane (lanes: 1, {BATCH} rows a step): {base / 1e6:.2f}M tokens/s; "
           f"{args.lanes} x the slowest / ({args.lanes} x one lane) = {rates[slow] / base:.2f}, "
           f"the mean lane / one lane = {sum(rates) / len(rates) / base:.2f}")  # fmt: skip

@@ -239,10 +239,10 @@ class ReadConfig(_Frozen):
     in_lanes: bool = True
     # With `in_lanes`: true, a lane actor reads its share on a thread of its own, up to a read
     # unit ahead of its packer (pipeline/read/reading.py `read_ahead`), on cores the lanes
-    # leave idle. Where a lane's process has a core to spare it makes more (a lane of 16 with
-    # a second core: 12.5M tokens/s against 9.7M); where lanes share their cores it costs
-    # (~11% more CPU per token, one core). False (the default): read as the lane packs. The
-    # same blocks either way, so not in the config hash either.
+    # leave idle. Where a lane's process has a core to spare it makes more (the mean lane of
+    # 16 with two cores: 12.4M tokens/s against 10.3M); where its threads share one it costs
+    # (6.9M against 7.7M). False (the default): read as the lane packs. The same blocks
+    # either way, so not in the config hash either.
     ahead: bool = False
 
 
