@@ -118,7 +118,8 @@ def in_flight(lanes: int) -> int:
 # a lane's steps and ~0.2 s of a core, and every other lane, whose steps wait for this one's,
 # stops once it has made the chunks asked of it. `python -m bench.lane_window` replays each
 # lane's time per step (each alone on a core) as the control asks them: 16 lanes of 128 MiB
-# of Python sources made 0.55 of the slowest lane's own rate 64 steps ahead, 1.00 at 256.
+# of Python sources made 0.65 of the slowest lane's own rate 2 chunks of 32 steps ahead, 0.98
+# at 8 and 1.00 at 16.
 # While the lanes keep ahead, the control waits on no answer and asks `in_flight` chunks
 # again: a weight change lands after the steps asked, so the depth returns to where it costs
 # least (pipeline/lanes.py `LanedFeed._fill`).
@@ -139,8 +140,9 @@ def most_in_flight(cfg: Config) -> int:
 
 # A lane "has a core" when its process used at least this share of one while it made its
 # last chunk. Where lanes share cores (16 lanes on 2), a lane that waits leaves no core idle
-# that a deeper bank could use, and asking further ahead cost there: 16 lanes and 16 ranks on
-# 2 cores served ~11% less, their lanes ~11% more CPU per step (every lane busy at once).
+# that a deeper bank could use, and asking further ahead cost there (every lane busy at
+# once): 16 lanes and 16 ranks on 2 cores served 6.10M and 4.49M tokens/s against 6.90M and
+# 6.75M, their lanes 15.3 and 16.7 ms of CPU a step against 13.6 and 13.9.
 CORED = 0.75
 
 
