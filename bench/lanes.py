@@ -119,7 +119,7 @@ def _busiest(r: dict) -> str:
         return out
     k = ln["busiest"]
     return (f"{out}, busiest lane {k} {ln['busy'][k]:.0%} wall {ln['cpu'][k]:.0%} CPU, producer "
-            f"waited {ln['producer_waited']:.0%}")  # fmt: skip
+            f"waited {ln['producer_waited']:.0%}, {ln.get('chunks_ahead')} chunks ahead")  # fmt: skip
 
 
 def _ms(x: float | None) -> str:

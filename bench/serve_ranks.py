@@ -404,7 +404,8 @@ def _lanes_busy(metrics: dict, serve_s: float) -> dict | None:
     cpu = [d["making_cpu_s"] / serve_s for d in lanes]
     top = max(range(len(busy)), key=busy.__getitem__)
     return {"busy": busy, "cpu": cpu, "busiest": top,
-            "producer_waited": (metrics.get("lanes_waited_s") or 0.0) / serve_s}  # fmt: skip
+            "producer_waited": (metrics.get("lanes_waited_s") or 0.0) / serve_s,
+            "chunks_ahead": metrics.get("lanes_chunks_ahead")}  # fmt: skip
 
 
 def _table(r: dict) -> str:
@@ -447,7 +448,8 @@ def _table(r: dict) -> str:
                 f"  {'lanes making (share of the serve)':<34}busiest lane {ln['busiest']}: "
                 f"{ln['busy'][ln['busiest']]:.0%} wall, {ln['cpu'][ln['busiest']]:.0%} CPU; "
                 f"least {min(ln['busy']):.0%}; the producer waited on them "
-                f"{ln['producer_waited']:.0%}"
+                f"{ln['producer_waited']:.0%}, asking {ln.get('chunks_ahead')} chunks ahead "
+                "at the end"
             ]
         ),
         f"  {'CPU ms per step (steady)':<34}export driver "
