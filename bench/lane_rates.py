@@ -38,16 +38,22 @@ from pathlib import Path
 SEQ_LEN, BATCH = 2048, 32
 
 
+def bench_config(corpus: str, lanes: int):
+    """The config each lane runs here: one text stream read `repeat` 1000, L 2048, G 32."""
+    from pipeline.read.resolve import parse_config
+
+    return parse_config({"seq_len": SEQ_LEN, "global_batch_size": BATCH,
+                         "packing": {"mode": "concat"}, "lanes": lanes,
+                         "streams": {"text": {"paths": [corpus], "repeat": 1000}}})  # fmt: skip
+
+
 def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = None,
                ahead: bool = False) -> list[dict]:  # fmt: skip
     """Each lane's tokens/s making `steps` lane steps alone, and its checked share."""
     from pipeline.lanes import LaneWorker, steps_per_call
-    from pipeline.read.resolve import parse_config
     from pipeline.tokenize import engines
 
-    cfg = parse_config({"seq_len": SEQ_LEN, "global_batch_size": BATCH,
-                        "packing": {"mode": "concat"}, "lanes": lanes,
-                        "streams": {"text": {"paths": [corpus], "repeat": 1000}}})  # fmt: skip
+    cfg = bench_config(corpus, lanes)
     seen = [0, 0]  # characters encoded, characters checked
     encode = engines.LoadedTokenizer.encode_verified
 

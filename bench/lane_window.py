@@ -32,16 +32,7 @@ import time
 
 import numpy as np
 
-SEQ_LEN, BATCH = 2048, 32
 WINDOWS = (8, 16, 32, 64, 128, 256)
-
-
-def bench_config(corpus: str, lanes: int):
-    from pipeline.read.resolve import parse_config
-
-    return parse_config({"seq_len": SEQ_LEN, "global_batch_size": BATCH,
-                         "packing": {"mode": "concat"}, "lanes": lanes,
-                         "streams": {"text": {"paths": [corpus], "repeat": 1000}}})  # fmt: skip
 
 
 def step_times(cfg, steps: int, ahead: bool) -> np.ndarray:
@@ -96,9 +87,11 @@ def main(argv=None) -> int:
     ap.add_argument("--read-ahead", action="store_true",
                     help="each lane reads on a thread of its own (read.ahead) (default: False)")  # fmt: skip
     args = ap.parse_args(argv)
+    from bench.corpora import resolve_corpus
+    from bench.lane_rates import BATCH, bench_config
+
     if BATCH % args.lanes:
         raise SystemExit(f"--lanes must divide {BATCH}")
-    from bench.corpora import resolve_corpus
     from pipeline.lanes import in_flight, most_in_flight, steps_per_call
 
     cfg = bench_config(str(resolve_corpus(args.corpus)), args.lanes)

@@ -727,14 +727,14 @@ class LanedFeed:
         chunk = self._pending.popleft() if self._pending else self._ask()
         assert chunk is not None  # nothing pending and nothing ready: the step made is asked
         n, asked = chunk
-        made_already = self._made(asked)
+        made_already = self.hold and self._made(asked)
         t = time.monotonic()
         answers = [self._answer(k, call) for k, call in enumerate(asked)]
         self.waited_s += time.monotonic() - t
-        cored = self._cored([made for made, _ in answers])
-        self.depth = next_depth(self.depth, not made_already and cored, self._least_depth,
-                                self._most_depth)  # fmt: skip
-        if self.hold:
+        if self.hold:  # the depth follows holding lanes (LaneMade carries their making time)
+            cored, self._making = had_cores(self._making, [made for made, _ in answers])
+            self.depth = next_depth(self.depth, not made_already and cored, self._least_depth,
+                                    self._most_depth)  # fmt: skip
             for k, (lane_made, _) in enumerate(answers):
                 if len(lane_made):
                     self._last[k] = lane_made
@@ -789,18 +789,8 @@ class LanedFeed:
                 self.finished = True
                 return
 
-    def _cored(self, answers: list) -> bool:
-        """Whether the lanes had cores of their own making these answers (`had_cores`);
-        remembers their figures for the next."""
-        if not self.hold:
-            return False
-        cored, self._making = had_cores(self._making, answers)
-        return cored
-
     def _made(self, asked: list) -> bool:
-        """Whether every lane has answered `asked` (one call each) already."""
-        if isinstance(self.lanes[0], _Local):
-            return True
+        """Whether every lane (actors: holding lanes are) has answered `asked` already."""
         import ray
 
         ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0)

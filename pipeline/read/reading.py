@@ -542,8 +542,8 @@ __all__ = [
     "Unit",
     "group_units",
     "iter_blocks_local",
-    "read_ahead",
     "iter_blocks_ray",
     "ray_executor",
+    "read_ahead",
     "with_head_start",
 ]
