@@ -13,7 +13,9 @@ corpus's code.jsonl by default; `site-packages` for a large one, bench/corpora.p
 
 Per lane: tokens/s over the second half of `--steps` lane steps (steady), and the share of
 its characters that the HF check encoded again (`LoadedTokenizer.encode_verified`,
-`verify_sample`). Then the slowest lane, the spread, and K × the slowest: the laned feed's
+`verify_sample`). A lane tokenizes a read unit at a time, so a half shorter than a few units
+says little: a lane whose half read under 0.8x or over 1.25x its whole run's characters per
+step is flagged (more `--steps`; 2,000 at 16 lanes flags none on either corpus here). Then the slowest lane, the spread, and K × the slowest: the laned feed's
 bound on this core's speed. Then the baseline, measured in the same run: one lane of
 `lanes: 1` (the whole step, G rows) alone, making the K lanes' tokens (steady), and
 the ratio the 16-core goal turns on, K × the slowest ÷ (K × the one lane's rate): what a
@@ -54,11 +56,12 @@ def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = Non
     from pipeline.tokenize import engines
 
     cfg = bench_config(corpus, lanes)
-    seen = [0, 0]  # characters encoded, characters checked
+    seen = [0, 0, 0]  # characters encoded, characters checked (timed half); encoded (whole run)
     encode = engines.LoadedTokenizer.encode_verified
 
     def counting(self, texts):
         seen[0] += sum(len(t) for t in texts)
+        seen[2] += sum(len(t) for t in texts)
         seen[1] += sum(b - a for _, a, b in engines.verify_sample(texts, self.verify_fraction))
         return encode(self, texts)
 
@@ -68,6 +71,7 @@ def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = Non
         for k in range(lanes) if only is None else only:
             # As the batch server runs a lane: holding its steps (compact), a state every step,
             # and its rows taken by the rank of a world of K whose rows it holds.
+            seen[:] = [0, 0, 0]
             lane = LaneWorker(cfg.model_dump(mode="json", context={"reveal_secrets": True}), k,
                               None, False, False, True, False, hold=True,
                               read_ahead=ahead)  # fmt: skip
@@ -85,13 +89,21 @@ def lane_rates(corpus: str, lanes: int, steps: int, only: list[int] | None = Non
                 lane.take([(made.first + j, 0, int(r)) for j, r in enumerate(made.rows)], k, lanes)
                 n += len(made)
                 if half is not None and n >= half:
-                    seen[:] = [0, 0]
+                    seen[:2] = [0, 0]
                     t, half, timed_from = time.perf_counter(), None, n
             wall = time.perf_counter() - t
             lane.close()
+            # A lane tokenizes a read unit at a time (up to read.block_bytes): a timed half
+            # shorter than a few units reads more or less than it serves, and its rate says
+            # little. Its characters read per step, against the whole run's:
+            read = (seen[0] / max(1, n - timed_from)) / (seen[2] / max(1, n))
             n -= timed_from
             out.append({"lane": k, "steps": n, "tokens_per_s": n * SEQ_LEN * BATCH / lanes / wall,
-                        "checked": seen[1] / max(1, seen[0])})  # fmt: skip
+                        "checked": seen[1] / max(1, seen[0]), "read": read})  # fmt: skip
+            if not 0.8 <= read <= 1.25:
+                print(f"  lane {k:>2}: its timed half read {read:.2f}x the characters a step of "
+                      "its whole run: too few --steps for its read units, its rate is not "
+                      "steady")  # fmt: skip
             print(f"  lane {k:>2}: {out[-1]['tokens_per_s'] / 1e6:6.2f}M tokens/s, HF check "
                   f"{out[-1]['checked']:.2%} of its characters", flush=True)  # fmt: skip
     finally:
