@@ -395,6 +395,10 @@ class ServiceConfig(_Frozen):
     prefetch: int | None = Field(default=None, ge=1, le=4096)
     # None: the service never asks the cluster for CPUs (service/demand.py says when it does).
     autoscale: AutoscaleConfig | None = None
+    # With `lanes` > 1: how many times each lane's actor is started again when its process
+    # dies (killed, its node lost), from its state at the oldest step it holds; it makes the
+    # same steps again and the ranks wait for them. Past it, the service fails naming the lane.
+    lane_restarts: int = Field(default=3, ge=0, le=1000)
 
 
 class Config(_Frozen):

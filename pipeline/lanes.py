@@ -35,6 +35,7 @@ import collections
 import contextlib
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -80,6 +81,7 @@ from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE, WINDOW_BYT
 from wire.schema import StepChunk
 
 STEPS_PER_CALL = 4  # lane steps asked for at once (one actor call per lane), at least
+TAKE_WAIT_S = 120.0  # a rank's take waits this long for a step a restarted lane makes again
 
 
 def steps_per_call(lanes: int) -> int:
@@ -265,7 +267,7 @@ class LanedStep:
     from the lanes (wire/lanes.py `fetch`); `whole` joins them all (provenance, skips)."""
 
     step: int
-    lanes: tuple
+    lanes: list  # the feed's `handles`: a restarted lane's actor replaces its entry
     rows: tuple[int, ...]
     made: tuple[LaneMade, ...] = ()  # the lanes' answers that hold this step, in lane order
     index: int = 0  # this step's place in each of them
@@ -326,6 +328,10 @@ class LaneWorker:
         # step -> the chunk that holds it and its place there (wire/schema.py StepChunk)
         self.held: dict[int, tuple[StepChunk, int]] = {}
         self._held_lock = threading.Lock()
+        # Told when steps are held: a rank's take of a step this lane has yet to make (a lane
+        # restarted from an earlier step makes the steps its ranks hold again) waits for it.
+        self._made = threading.Condition(self._held_lock)
+        self.unmade = 0  # the first step not yet held here (set once the feed stands)
         # `read.in_lanes`: the lane reads and tokenizes its share itself, no block crosses a
         # process (K lanes are K tokenizing processes); else through Ray Data's tasks.
         # A lane on an actor reads its share on a thread of its own, ahead of its packer
@@ -340,6 +346,7 @@ class LaneWorker:
         self.feed = Feed(cfg, executor, first, state=state, leave_out=leave_out,
                          allow_config_change=allow_config_change, lane=lane)  # fmt: skip
         self.feed.full_batches = full_batches
+        self.unmade = self.feed.step
         self.ipc = ipc
         self.making_s = self.making_cpu_s = 0.0  # Receipt `making_s`, `making_cpu_s`
         self.making_process_s = 0.0  # LaneMade `making_process_s`
@@ -376,6 +383,8 @@ class LaneWorker:
             for j in range(len(chunk)):
                 self.held[chunk.first + j] = (chunk, j)
             held = len(self.held)
+            self.unmade = chunk.first + len(chunk)
+            self._made.notify_all()
         writes = {}
         if self.writes is not None:
             done = [self._write(chunk.first + j, chunk.step(j)) for j in range(len(chunk))]
@@ -418,7 +427,7 @@ class LaneWorker:
         (a run's IPC padding may hold bytes of the rows after it: the rank reads the same
         data). Runs on the `serve` threads, beside the thread that makes steps."""
         with self._held_lock:
-            found = [(self._held(s), lo, hi) for s, lo, hi in parts]
+            found = [(self._held(s), lo, hi) for s, lo, hi in parts]  # in step order
         # Runs of one schema: each its first step's metadata, its pieces (chunk, first row,
         # end row, step in the chunk) and the rows of each step.
         runs: list[tuple[dict, list[list], list[int]]] = []
@@ -454,7 +463,18 @@ class LaneWorker:
 
     def _held(self, step: int) -> tuple[StepChunk, int]:
         """Where held step `step` is (under `_held_lock`), or a LookupError naming what is
-        held."""
+        held. A step this lane has yet to make is waited for, up to TAKE_WAIT_S: only a lane
+        restarted from an earlier step (`LanedFeed.restart`) is asked for one, while it makes
+        again the steps its ranks were told of."""
+        deadline = time.monotonic() + TAKE_WAIT_S
+        while step not in self.held and step >= self.unmade:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"lane {self.lane} has not made step {step} within {TAKE_WAIT_S:.0f}s "
+                    f"(it has made those before step {self.unmade})"
+                )
+            self._made.wait(timeout=min(left, 1.0))
         if step not in self.held:
             held = f"{min(self.held)}..{max(self.held)}" if self.held else "none"
             raise LookupError(
@@ -530,6 +550,26 @@ class _Actor:
         ray.kill(self.handle)
 
 
+class _Chunk:
+    """Steps asked of every lane at once, one call each: the first step, how many, and each
+    lane's call (a restarted lane's is replaced in place, `LanedFeed.restart`)."""
+
+    __slots__ = ("first", "n", "calls")
+
+    def __init__(self, first: int, n: int, calls: list):
+        self.first, self.n, self.calls = first, n, calls
+
+
+def lane_died(error: BaseException) -> bool:
+    """Whether `error`, met asking a lane actor, says its process is gone (killed, its node
+    lost), as opposed to a failure of the lane's own work (a bad record, a bug)."""
+    try:
+        import ray.exceptions
+    except ImportError:  # in-process lanes only: nothing dies apart
+        return False
+    return isinstance(error, ray.exceptions.RayActorError)
+
+
 class LanedFeed:
     """The global steps of a config with `lanes` K > 1, joined from K lane feeds.
 
@@ -546,7 +586,7 @@ class LanedFeed:
                  on_reject: Callable[[Reject], None] | None = None,
                  wait_for_figures: bool = True,
                  leave_out: LeaveOut | None = None, hold: bool = False,
-                 writes: Writes | None = None):  # fmt: skip
+                 writes: Writes | None = None, restarts: int = 0):  # fmt: skip
         self.cfg = cfg
         # `hold` (the batch server): the lanes keep the steps they make and `next_step` gives
         # a LanedStep (where its rows are) instead of the rows: ranks take them from the
@@ -585,25 +625,25 @@ class LanedFeed:
         # differ in layout (one kept labels it could not derive) is joined in full, then
         # compacted again (`_join`).
         # Documents to leave out go to every lane: each meets only its own.
-        args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local,
-                 leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
+        self._args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local,
+                       not local, leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
         self.lanes: list[_Local | _Actor]
         if local:
-            self.lanes = [_Local(LaneWorker(*a)) for a in args]
+            self.lanes = [_Local(LaneWorker(*a)) for a in self._args]
         else:
-            import ray
-
-            # Holding lanes hand out rows on threads of their own (`take`), beside the one
-            # thread (the default group) that makes steps, changes weights and gives states.
-            groups = {"concurrency_groups": {TAKE_GROUP: TAKE_THREADS}} if self.hold else {}
-            actor = ray.remote(num_cpus=0, max_restarts=0, **groups)(  # type: ignore[call-overload]
-                LaneWorker
-            )
-            opts = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
-            self.lanes = [_Actor(actor.options(**opts).remote(*a)) for a in args]
-        # One tuple shared by every step it makes, and the key a rank's reply names it by
-        # (`where`): unique to this feed's actors, so a skip's new lanes have another.
-        self.handles = tuple(getattr(lane, "handle", None) for lane in self.lanes)
+            self.lanes = [_Actor(self._start(a)) for a in self._args]
+        # One list shared by every step it makes (a restarted lane's actor replaces its
+        # entry), and the key a rank's reply names it by (`where`): unique to this feed's
+        # actors, so a skip's new lanes have another.
+        self.handles = [getattr(lane, "handle", None) for lane in self.lanes]
+        # A holding lane whose process died is started again from its state at the oldest
+        # step it held, up to `restarts` times per lane (`restart`; service.lane_restarts):
+        # the steps it made are made again, the same. Each lane's kept states, by step, from
+        # that oldest step on (states at every step: `state_every` 1).
+        self.restarts = restarts if self.hold and state_every == 1 else 0
+        self.restarted: list[dict] = []  # each restart: lane, step, reason, time
+        self._kept_lanes: collections.OrderedDict[int, list[Kept]] = collections.OrderedDict()
+        self._remade: list[tuple[int, Any, int, Any]] = []  # lane, its _Actor, first step, call
         self.key = uuid.uuid4().hex
         # Where each lane runs (asked now, read once answered) and the steps it held when it
         # last answered (holding lanes): metrics `lanes`.
@@ -642,7 +682,8 @@ class LanedFeed:
         self.finished = False
         self._ready: collections.deque = collections.deque()
         # The chunks asked for ahead (in_flight): each its step count and the lanes' answers.
-        self._pending: collections.deque[tuple[int, list]] = collections.deque()
+        self._pending: collections.deque[_Chunk] = collections.deque()
+        self._current: _Chunk | None = None  # the chunk being joined (`_fill`)
         self._asked = self.step  # steps asked of every lane: the first step no lane has begun
         self._first = self.step  # the first call asks STEPS_PER_CALL: the first step comes sooner
         # Chunks asked ahead of the one joined: `in_flight` while the lanes keep ahead, more
@@ -652,12 +693,26 @@ class LanedFeed:
         self._making = [(0.0, 0.0)] * K  # each lane's making_s, making_process_s last answered
         self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
         # The state after the last step handed out; at the start, the lanes' own.
-        self._state: Nested | None = (
-            self._nest([lane.get(lane.call("state")) for lane in self.lanes])
-            if state_every
-            else None
-        )
+        self._state: Nested | None = None
+        if state_every:
+            states = [lane.get(lane.call("state")) for lane in self.lanes]
+            self._state = self._nest(states)
+            if self.restarts:
+                self._kept_lanes[self.step] = states
         self.first_step_at: float | None = None
+
+    def _start(self, args: tuple):
+        """A lane actor, with `args` (LaneWorker's)."""
+        import ray
+
+        # Holding lanes hand out rows on threads of their own (`take`), beside the one
+        # thread (the default group) that makes steps, changes weights and gives states.
+        groups = {"concurrency_groups": {TAKE_GROUP: TAKE_THREADS}} if self.hold else {}
+        actor = ray.remote(num_cpus=0, max_restarts=0, **groups)(  # type: ignore[call-overload]
+            LaneWorker
+        )
+        resources = self.cfg.service.resources
+        return actor.options(**({"resources": dict(resources)} if resources else {})).remote(*args)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -690,9 +745,17 @@ class LanedFeed:
                 return
             if self._release - self._told < steps_per_call(len(self.lanes)):
                 return
-            self._told, self._release = self._release, None
+            below, self._release = self._release, None
+            self._told_lanes(below)
             for lane in self.lanes:
-                lane.call("steps", 0, 0, self._told)  # answered by nobody: a release only
+                lane.call("steps", 0, 0, below)  # answered by nobody: a release only
+
+    def _told_lanes(self, below: int) -> None:
+        """Under the lock: the lanes are told to let go of the steps before `below`, and so
+        are their states kept for a restart (every rank has those steps)."""
+        self._told = below
+        while self._kept_lanes and next(iter(self._kept_lanes)) < below:
+            self._kept_lanes.popitem(last=False)
 
     def _room(self) -> int:
         """How many steps may be asked of the lanes now: steps_per_call(K), but never past
@@ -708,7 +771,7 @@ class LanedFeed:
                 return min(per_call, step - self._asked)
         return per_call
 
-    def _ask(self) -> tuple[int, list] | None:
+    def _ask(self) -> _Chunk | None:
         # Under the lock: a weight change submitted to the lanes is ordered before or after
         # the whole chunk in every lane (an actor runs one caller's calls in order).
         with self._lock:
@@ -717,20 +780,26 @@ class LanedFeed:
                 n = min(n, STEPS_PER_CALL)
             if n <= 0:
                 return None
-            self._asked += n
+            first, self._asked = self._asked, self._asked + n
             release, self._release = self._release, None
             if release is not None:
-                self._told = release
-            return n, [lane.call("steps", n, self.state_every, release) for lane in self.lanes]
+                self._told_lanes(release)
+            calls = [lane.call("steps", n, self.state_every, release) for lane in self.lanes]
+            return _Chunk(first, n, calls)
 
     def _fill(self) -> None:
-        chunk = self._pending.popleft() if self._pending else self._ask()
+        with self._lock:  # a restart (`restart`) re-asks every chunk not yet joined
+            chunk = self._current = self._pending.popleft() if self._pending else self._ask()
         assert chunk is not None  # nothing pending and nothing ready: the step made is asked
-        n, asked = chunk
-        made_already = self.hold and self._made(asked)
+        n = chunk.n
+        made_already = self.hold and self._made(chunk.calls)
         t = time.monotonic()
-        answers = [self._answer(k, call) for k, call in enumerate(asked)]
+        answers = [self._answer_of(chunk.calls, k) for k in range(len(self.lanes))]
         self.waited_s += time.monotonic() - t
+        with self._lock:
+            self._current = None
+        if self._remade:
+            self._check_remade()
         if self.hold:  # the depth follows holding lanes (LaneMade carries their making time)
             cored, self._making = had_cores(self._making, [made for made, _ in answers])
             self.depth = next_depth(self.depth, not made_already and cored, self._least_depth,
@@ -741,10 +810,11 @@ class LanedFeed:
         self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
         while not isinstance(self.lanes[0], _Local) and len(self._pending) < self.depth:
-            ahead = self._ask()
-            if ahead is None:  # the mixing policy's next decision comes first
-                break
-            self._pending.append(ahead)
+            with self._lock:  # asked and pending at once, for a restart to find
+                ahead = self._ask()
+                if ahead is None:  # the mixing policy's next decision comes first
+                    break
+                self._pending.append(ahead)
         for _, rejects in answers:
             for reject in rejects:
                 if self.on_reject is not None:
@@ -770,6 +840,9 @@ class LanedFeed:
             if self.hold:
                 states = [lane_made.states[j] for lane_made in made]
                 step = self.step + len(self._ready)  # the steps before it are ready
+                if self.restarts:
+                    with self._lock:
+                        self._kept_lanes[step + 1] = states
                 step_rows = tuple(rows[j])
                 laned = LanedStep(step, self.handles, step_rows, counted, j, self.key)
                 made_step: Any = (laned, [int(counts[0][j]), int(counts[1][j]), counts[2][j],
@@ -796,6 +869,125 @@ class LanedFeed:
         ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0)
         return len(ready) == len(asked)
 
+    def _answer_of(self, calls: list, k: int) -> Any:
+        """Lane k's answer to its call in `calls` (a chunk's, a weight change's): asked again
+        of the lane's new actor when its process died and it was restarted (`restart`, which
+        replaces the call in `calls`). A lane that failed otherwise fails the feed, by name."""
+        while True:
+            lane = self.lanes[k]  # before the call: a restart replaces the call first
+            call = calls[k]
+            try:
+                return lane.get(call)
+            except Exception as e:
+                if not self.restart(k, lane, e):
+                    raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+
+    # -- a lane whose process died ------------------------------------------------------------
+
+    def restart(self, k: int, lane: Any, error: BaseException) -> bool:
+        """Lane k (`lane`, the one that failed with `error`) started again, if its process
+        died and it has restarts left: True once lane k is another actor (this call's, or
+        another thread's that met the death first).
+
+        The new actor starts from lane k's state at the oldest step it held (every rank had
+        the steps before: `release`), takes the weight changes that state does not hold, and
+        makes again, in order, every step asked of lane k since: those handed out and held
+        for the ranks, then each chunk asked and not yet joined (their calls replaced). The
+        sequence is a function of the state, so it makes the same steps; each state it
+        answers is checked against the one lane k gave for that step (`_check_remade`).
+        Ranks that met the dead actor ask the server for the new one (`check_lane`), and
+        their takes of steps it has yet to make again wait for them (LaneWorker `_held`).
+
+        Why from the state, not Ray's own actor restart (`max_restarts`): Ray runs the
+        constructor again with its first arguments, so the lane would make the whole run
+        again from where the service started before it reached the steps the ranks need."""
+        if not lane_died(error):
+            return self.lanes[k] is not lane
+        with self._lock:
+            if self.lanes[k] is not lane:
+                return True  # restarted already, by the thread that met it first
+            done = sum(1 for r in self.restarted if r["lane"] == k)
+            if done >= self.restarts or not self._kept_lanes:
+                return False
+            step, states = next(iter(self._kept_lanes.items()))
+            state = states[k].unpack()
+            args = list(self._args[k])
+            args[2] = state
+            new = _Actor(self._start(tuple(args)))
+            lane.kill()  # a lane taken for dead stays so (a partition that heals)
+            # The weight changes made after that state was (`set_weights` calls the lane had
+            # yet to answer when it died), in step order as the control's mixer holds them.
+            held = state[PACKER]["mixer"]["history"]
+            replayed = {
+                c.step: new.call("set_weights", c.weights, c.step, c.source)
+                for c in self.mixer.history
+                if c.step >= step and c.as_dict() not in held
+            }
+            import ray
+
+            for change_step, calls in self._changes:
+                calls[k] = replayed.get(change_step) or ray.put(change_step)
+            # Every step asked of lane k since `step`, in the same order: those joined
+            # already, then the chunks not yet joined (their calls replaced).
+            chunks = [c for c in (self._current, *self._pending) if c is not None]
+            end = chunks[0].first if chunks else self._asked
+            per_call = steps_per_call(len(self.lanes))
+            for first in range(step, end, per_call):
+                n = min(per_call, end - first)
+                call = new.call("steps", n, self.state_every, None)
+                self._remade.append((k, new, first, call))
+            for c in chunks:
+                c.calls[k] = new.call("steps", c.n, self.state_every, None)
+            self.lanes[k] = new
+            self.handles[k] = new.handle
+            self._processes[k] = new.call("process")
+            self._making[k] = (0.0, 0.0)
+            self._asking = None  # the summaries asked of the dead actor never come
+            self.restarted.append({"lane": k, "step": step, "reason": f"{type(error).__name__}",
+                                   "at": time.time(), "restart": done + 1})  # fmt: skip
+        print(f"tokenmill: lane {k} of {len(self.lanes)} died ({type(error).__name__}); "
+              f"started again from step {step} (restart {done + 1} of {self.restarts})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return True
+
+    def check_lane(self, k: int, timeout_s: float = 10.0) -> None:
+        """A rank met lane k's actor dead (wire/lanes.py LaneGone): restarted here if it is
+        (the producer may be waiting for room, not for the lane, and not meet it)."""
+        import ray
+
+        lane = self.lanes[k]
+        if not isinstance(lane, _Actor):
+            return  # in this process: nothing dies apart
+        ping = lane.handle.process.options(concurrency_group=TAKE_GROUP).remote()
+        ready, _ = ray.wait([ping], timeout=timeout_s)
+        if not ready:
+            return  # busy or starting: the rank asks again
+        try:
+            ray.get(ping)
+        except Exception as e:
+            self.restart(k, lane, e)
+
+    def _check_remade(self) -> None:
+        """The answers of the steps a restarted lane made again, as they come: each state the
+        same as the lane gave for that step before (the same sequence), or the feed fails."""
+        with self._lock:
+            ready = [r for r in self._remade if r[1].ready(r[3])]
+            self._remade = [r for r in self._remade if r not in ready]
+        for k, lane, first, call in ready:
+            try:
+                made, _ = lane.get(call)
+            except Exception as e:
+                if self.restart(k, lane, e):
+                    continue
+                raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+            for j, kept in enumerate(made.states):
+                before = self._kept_lanes.get(first + j + 1)
+                if before is not None and before[k].digest != kept.digest:
+                    raise LaneError(
+                        f"lane {k}, started again, made step {first + j} otherwise than before "
+                        "(its state differs): the lane's sequence is not a function of its state"
+                    )
+
     def _confirm_changes(self) -> None:
         """Weight changes set without waiting (`set_weights(wait=False)`) that every lane has
         answered: each must have taken it at its step; a lane that failed fails the feed."""
@@ -803,23 +995,16 @@ class LanedFeed:
             step, calls = self._changes[0]
             if not all(lane.ready(c) for lane, c in zip(self.lanes, calls, strict=True)):
                 return
-            for k, call in enumerate(calls):
-                got = self._answer(k, call)
+            for k in range(len(calls)):
+                got = self._answer_of(calls, k)
                 assert got == step, (got, step)
             self._changes.pop(0)
 
-    def _answer(self, k: int, call) -> Any:
-        """Lane k's answer to `call`; a lane that failed fails the feed, by name."""
-        try:
-            return self.lanes[k].get(call)
-        except Exception as e:
-            raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
-
     def lane_view(self) -> list[dict]:
-        """Each lane: its process (pid, host; None until it has said) and, when the lanes
-        hold the rows, the steps it held when it last answered (the window's steps, those not
-        yet released, and those made ahead) and its seconds making steps by then, wall and
-        CPU (`making_s`, `making_cpu_s`)."""
+        """Each lane: its process (pid, host; None until it has said), how many times it was
+        started again (`restart`) and, when the lanes hold the rows, the steps it held when it
+        last answered (the window's steps, those not yet released, and those made ahead) and
+        its seconds making steps by then, wall and CPU (`making_s`, `making_cpu_s`)."""
         out = []
         for k, (lane, call) in enumerate(zip(self.lanes, self._processes, strict=True)):
             where = {"pid": None, "host": None}
@@ -827,8 +1012,9 @@ class LanedFeed:
                 with contextlib.suppress(Exception):  # a lane that died says nothing
                     where = lane.get(call)
             last = self._last[k] if self.hold else None
-            out.append({"lane": k, **where, "held_steps": last and last.held,
-                        "making_s": last and last.making_s,
+            restarts = sum(1 for r in self.restarted if r["lane"] == k)
+            out.append({"lane": k, **where, "restarts": restarts,
+                        "held_steps": last and last.held, "making_s": last and last.making_s,
                         "making_cpu_s": last and last.making_cpu_s})  # fmt: skip
         return out
 
@@ -894,7 +1080,10 @@ class LanedFeed:
             if step == self.step == self._asked and self._state is not None:
                 # Before its step is begun (the mixing policy's decisions): the state at it
                 # holds the change, as a single feed's would, so a replay from it agrees.
-                self._state = self._nest([lane.get(lane.call("state")) for lane in self.lanes])
+                states = [lane.get(lane.call("state")) for lane in self.lanes]
+                self._state = self._nest(states)
+                if self.restarts:
+                    self._kept_lanes[self.step] = states
         return step
 
     def close(self) -> None:

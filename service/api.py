@@ -543,6 +543,10 @@ def _families(m: dict, st: dict) -> list:
                 "near the run's time, that lane is the one every step waits for",
                 {d.get("lane"): d.get("making_s") for d in lanes if isinstance(d, dict)},
                 "lane")  # fmt: skip
+        counter("lane_restarts", "Times a lane's actor was started again after its process "
+                "died (service.lane_restarts)",
+                {d.get("lane"): d.get("restarts") for d in lanes if isinstance(d, dict)},
+                "lane")  # fmt: skip
         counter("lane_making_cpu_seconds", "CPU seconds of a lane's making thread",
                 {d.get("lane"): d.get("making_cpu_s") for d in lanes if isinstance(d, dict)},
                 "lane")  # fmt: skip

@@ -305,7 +305,7 @@ class BatchServer:
                                  full_batches=False, state_every=1,
                                  on_reject=self.telemetry.add_reject,
                                  wait_for_figures=False, leave_out=leave_out,
-                                 hold=True)  # fmt: skip
+                                 hold=True, restarts=self.cfg.service.lane_restarts)  # fmt: skip
             feed = Feed(
                 self.cfg,
                 executor,
@@ -522,7 +522,7 @@ class BatchServer:
         runs = rank_runs(batches, rank, world_size, G)
         return StepReply("ready", [to_ipc(run) for run, _ in runs], [n for _, n in runs])
 
-    def lane_handles(self, key: str) -> tuple:
+    def lane_handles(self, key: str) -> list:
         """The lane actors that a reply names by `key` (pipeline/lanes.py `where`): the
         running feed's, or those of a feed a skip replaced whose steps ranks still take."""
         with self._cond:
@@ -536,6 +536,17 @@ class BatchServer:
             "every live rank had their steps (a rank away past service.rank_timeout_s no "
             "longer holds them), or the service stopped"
         )
+
+    def lane_gone(self, key: str, lane: int) -> list:
+        """A rank met lane `lane` of the lanes named `key` gone (wire/lanes.py LaneGone): the
+        running feed starts it again if its process died and it has restarts left
+        (`service.lane_restarts`), and the rank gets the lanes' actors as they are now."""
+        from pipeline.lanes import LanedFeed
+
+        feed = self.feed
+        if isinstance(feed, LanedFeed) and feed.key == key:
+            feed.check_lane(lane)
+        return list(self.lane_handles(key))
 
     def _release_lanes(self) -> None:
         """Under the lock: lanes that hold the rows (`lanes` > 1) may let go of the steps every
@@ -974,6 +985,8 @@ class BatchServer:
                 "lanes": self.feed.lane_view() if hasattr(self.feed, "lane_view") else None,
                 "lanes_waited_s": getattr(self.feed, "waited_s", None),  # producer, on lanes
                 "lanes_chunks_ahead": getattr(self.feed, "depth", None),  # LanedFeed.depth
+                # lanes started again after their process died (LanedFeed.restart)
+                "lanes_restarted": list(getattr(self.feed, "restarted", [])),
                 "prefetch": self.prefetch,
                 "real_tokens": s.real_tokens,
                 "rows": s.rows,

@@ -89,9 +89,10 @@ def resolved(srv, reply, rank: int, world: int):
     (wire/lanes.py `fetch`, the lanes' actors looked up by key)."""
     from dataclasses import replace
 
-    from wire.lanes import LaneActors, fetch
+    from wire.lanes import LaneActors, fetch_again
 
     if not reply.lanes:
         return reply
-    runs, counts = fetch(reply.lanes, rank, world, 60.0, LaneActors(srv.lane_handles))
+    runs, counts = fetch_again(reply.lanes, rank, world, 60.0, LaneActors(srv.lane_handles),
+                               srv.lane_gone)  # fmt: skip
     return replace(reply, runs=runs, counts=counts, lanes=[])

@@ -757,6 +757,7 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
             assert waited is not None and waited >= 0
             text = prometheus_text(srv.metrics(), srv.status())
             assert text.count("tokenmill_lane_held_steps{lane=") == lanes
+            assert text.count("tokenmill_lane_restarts_total{lane=") == lanes
             assert text.count("tokenmill_lane_making_seconds_total{lane=") == lanes
             assert text.count("tokenmill_lane_making_cpu_seconds_total{lane=") == lanes
             assert "tokenmill_lanes_waited_seconds_total " in text
@@ -772,9 +773,9 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
 
 @pytest.mark.slow
 def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
-    """A lane actor killed mid-run: a rank taking rows it held gets an error that says the
-    lane is gone, and the service fails naming the lane, instead of hanging or serving a
-    step without that lane's rows."""
+    """A lane actor killed mid-run with no restarts left (`service.lane_restarts: 0`): a rank
+    taking rows it held gets an error that says the lane is gone, and the service fails naming
+    the lane, instead of hanging or serving a step without that lane's rows."""
     import time
 
     import ray
@@ -787,7 +788,8 @@ def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
     # what is handed out) before the kill, so the producer meets the dead lane (a CI run saw
     # the short corpus made to its end first, and nothing left to fail).
     forever = {n: s | {"repeat": 100} for n, s in small.items()}
-    srv = BatchServer(config(forever, 2).model_dump(mode="json"), prefetch=3)
+    cfg = config(forever, 2, service={"lane_restarts": 0})
+    srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
     try:
         assert resolved(srv, srv.get(0, 1, 0, 30.0), 0, 1).runs
         while not (reply := srv.get(0, 1, 1, 2.0)).ready:
@@ -814,6 +816,87 @@ def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
         assert "lane 1 of 2 failed" in srv.status()["error"]
     finally:
         srv.close()
+
+
+def _kill(actor) -> None:
+    """Kill a lane actor and wait until it is gone (ray.kill is asynchronous)."""
+    import time
+
+    import ray
+
+    ray.kill(actor)
+    deadline = time.time() + 60
+    while True:
+        try:
+            ray.get(actor.process.remote(), timeout=2.0)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        assert time.time() < deadline, "the killed lane still answers"
+        time.sleep(0.05)
+
+
+def _serve_to_the_end(srv, world: int, kills: dict[int, int]) -> tuple[list[bytes], dict]:
+    """Every rank's rows of every step to the end of the data (ranks take turns, a few steps
+    at a time, as the client does), as Arrow IPC per rank and step; lane `kills[step]` is
+    killed once rank 0 has taken the steps before `step`. And the state at the last step."""
+    from tests.helpers import resolved
+    from wire.arrays import from_ipc, own, to_ipc
+    from wire.lanes import split_run
+
+    out: dict[tuple[int, int], bytes] = {}
+    at, ended = [0] * world, [False] * world
+    while not all(ended):
+        for r in range(world):
+            if ended[r]:
+                continue
+            if r == 0 and kills and min(kills) <= at[0]:
+                _kill(srv.feed.lanes[kills.pop(min(kills))].handle)
+            reply = srv.get(r, world, at[r], 30.0, count=3)
+            if reply.status == "end":
+                ended[r] = True
+                continue
+            assert reply.ready, reply
+            for run in resolved(srv, reply, r, world).runs:
+                for part in split_run(from_ipc(run)):
+                    out[(r, at[r])] = to_ipc(own(part.replace_schema_metadata(None)))
+                    at[r] += 1
+    assert not kills, f"the data ended before the kills at steps {sorted(kills)}"
+    return [out[key] for key in sorted(out)], srv.state(at[0])
+
+
+@pytest.mark.slow
+def test_a_lane_killed_under_a_service_starts_again_and_the_ranks_get_the_same_rows(
+    small, ray_cluster
+):
+    """A lane's process killed mid-run (as when its node is lost) is started again from its
+    state at the oldest step it holds, makes the same steps again, and the ranks wait for
+    them: two ranks (one per lane) get the same rows, byte for byte, as a run nothing killed,
+    to the end of the data, and the same final state. The metrics name each restart. Lane 1
+    dies while the ranks are ahead of nothing (the window full: a rank meets the dead actor
+    and the server starts it again), then lane 0 a while later."""
+    from service.server import BatchServer
+
+    cfg = config({n: s | {"repeat": 4} for n, s in small.items()}, 2).model_dump(mode="json")
+    alone = BatchServer(cfg, prefetch=3)
+    try:
+        rows_alone, state_alone = _serve_to_the_end(alone, 2, {})
+    finally:
+        alone.close()
+    srv = BatchServer(cfg, prefetch=3)
+    try:
+        rows, state = _serve_to_the_end(srv, 2, {2: 1, 30: 0})
+        restarted = srv.metrics()["lanes_restarted"]
+        lanes_view = srv.metrics()["lanes"]
+    finally:
+        srv.close()
+    assert len(rows) == len(rows_alone) > 2 * 40
+    assert rows == rows_alone
+    assert state == state_alone
+    assert [(r["lane"], r["restart"]) for r in restarted] == [(1, 1), (0, 1)]
+    assert restarted[0]["step"] <= 2 and 2 < restarted[1]["step"] <= 30
+    assert [v["restarts"] for v in lanes_view] == [1, 1]
 
 
 @pytest.mark.slow

@@ -180,6 +180,42 @@ def test_a_straggler_10x_slower_loses_nothing_and_memory_stays_bounded(served, t
     assert_equal_to_export(got, exported(cfg, tmp_path, steps, 2), steps)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_lanes_process_killed_mid_run_loses_and_repeats_nothing(served, tmp_path, world):
+    """A lane's process killed with SIGKILL while the ranks train (their client's own code:
+    `Feed.connect`) and the metrics are asked meanwhile: the service starts the lane again
+    from its state and every rank gets the export's rows, step for step, none lost or
+    repeated (`service.lane_restarts`). World 2: each rank's rows in one lane; world 4: two
+    ranks a lane."""
+    import signal
+
+    cfg = make_cfg(tmp_path, lanes=2)
+    steps = 40
+    name = f"killed{world}{os.getpid()}"
+    actor = served(cfg, name, prefetch=3)
+    got = {r: [] for r in range(world)}
+    threads = [threading.Thread(target=pull, args=(name, r, world, steps, got[r], 0.02))
+               for r in range(world)]  # fmt: skip
+    for t in threads:
+        t.start()
+    deadline = time.time() + 120
+    while min(len(g) for g in got.values()) < 8:
+        assert time.time() < deadline, "the ranks did not start"
+        time.sleep(0.05)
+    pid = ray.get(actor.metrics.remote())["lanes"][1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    restarted = []
+    while any(t.is_alive() for t in threads):
+        restarted = ray.get(actor.metrics.remote())["lanes_restarted"]
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    assert [r["lane"] for r in restarted] == [1], restarted
+    m = ray.get(actor.metrics.remote())
+    assert m["lanes"][1]["pid"] != pid and m["lanes"][1]["restarts"] == 1
+    assert_equal_to_export(got, exported(cfg, tmp_path, steps, world), steps)
+
+
 def test_64_ranks_pull_while_the_api_answers(served, tmp_path):
     """64 simulated ranks (threads of one other process, as on a trainer node), and the
     API, in this process as in `serve`'s, polled over HTTP meanwhile."""

@@ -330,15 +330,18 @@ class Feed:
                       file=sys.stderr, flush=True)  # fmt: skip
         if not reply.lanes:
             return list(reply.runs)
-        from wire.lanes import LaneActors, LaneGone, fetch
+        from wire.lanes import LaneActors, LaneGone, fetch_again
 
         if self._lanes is None:  # the lane actors, asked of the server once per sequence
             self._lanes = LaneActors(
                 lambda key: self._call("lane_handles", key, group=CONSUMER_GROUP)
             )
-        try:  # the lanes hold the rows (`lanes` > 1): taken from them straight
-            return fetch(reply.lanes, self.rank, self.world_size, self.timeout_s,
-                         self._lanes)[0]  # fmt: skip
+        try:  # the lanes hold the rows (`lanes` > 1): taken from them straight, and from a
+            # lane's new actor when its process died (`service.lane_restarts`)
+            return fetch_again(
+                reply.lanes, self.rank, self.world_size, self.timeout_s, self._lanes,
+                lambda key, lane: self._call("lane_gone", key, lane, group=CONSUMER_GROUP),
+            )[0]  # fmt: skip
         except (LaneGone, LookupError, TimeoutError, FeedError) as e:
             raise FeedError(f"step {self.step}: {e}") from None
         except Exception as e:  # any other failure of a lane's answer, named

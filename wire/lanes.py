@@ -33,7 +33,11 @@ TAKE_THREADS = 16
 
 class LaneGone(RuntimeError):
     """A lane that holds a rank's rows is gone (its process died, or the sequence was
-    replaced); the message names the lane."""
+    replaced); the message names the lane, and `key` and `lane` say which (None: not known)."""
+
+    def __init__(self, message: str, key: str | None = None, lane: int | None = None):
+        super().__init__(message)
+        self.key, self.lane = key, lane
 
 
 def rank_rows(num_rows: int, rank: int, world_size: int, global_batch_size: int) -> slice:
@@ -160,6 +164,38 @@ class LaneActors:
                 self.known.pop(next(iter(self.known)))
         return self.known[key]
 
+    def renew(self, key: str, handles: Sequence[Any]) -> None:
+        """A key's actors as the server has them now (a lane started again)."""
+        self.known[key] = handles
+
+
+def fetch_again(
+    lanes: list[tuple[str, int, list[tuple[int, int, int]]]],
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    actors: LaneActors,
+    gone: Callable[[str, int], Sequence[Any]],
+    tries: int = 4,
+) -> tuple[list[bytes], list[int]]:
+    """`fetch`, asked again when a lane is gone: `gone(key, lane)` (the server's
+    `lane_gone`) starts the lane again if its process died and gives the lanes' actors as
+    they are now. Its new actor makes the steps again, the same rows, and hands them out once
+    made. After `tries` lanes gone in a row, or a lane the server does not start again, the
+    LaneGone stands."""
+    for attempt in range(tries + 1):
+        try:
+            return fetch(lanes, rank, world_size, timeout_s, actors)
+        except LaneGone as e:
+            if e.key is None or e.lane is None or attempt == tries:
+                raise
+            before = actors(e.key)[e.lane]
+            now = gone(e.key, e.lane)
+            actors.renew(e.key, now)
+            if now[e.lane] == before:  # not started again (no restarts left): the lane is gone
+                raise
+    raise AssertionError("unreachable")
+
 
 def fetch(
     lanes: list[tuple[str, int, list[tuple[int, int, int]]]],
@@ -176,12 +212,12 @@ def fetch(
     import ray
 
     calls = [
-        (k, parts, actors(key)[k].take.options(concurrency_group=TAKE_GROUP).remote(
+        (key, k, parts, actors(key)[k].take.options(concurrency_group=TAKE_GROUP).remote(
             parts, rank, world_size))
         for key, k, parts in lanes
     ]  # fmt: skip
     answers = []
-    for k, parts, ref in calls:
+    for key, k, parts, ref in calls:
         try:
             answers.append(ray.get(ref, timeout=timeout_s))
         except ray.exceptions.GetTimeoutError:
@@ -191,12 +227,16 @@ def fetch(
         except (ray.exceptions.RayActorError, ray.exceptions.OwnerDiedError) as e:
             raise LaneGone(
                 f"lane {k}, holding rows of steps {parts[0][0]}.., is gone "
-                f"({type(e).__name__}): its sequence was replaced or its process died"
+                f"({type(e).__name__}): its sequence was replaced or its process died",
+                key=key,
+                lane=k,
             ) from None
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             raise (
-                cause if isinstance(cause, LookupError) else RuntimeError(str(cause or e))
+                cause
+                if isinstance(cause, LookupError | TimeoutError)
+                else RuntimeError(str(cause or e))
             ) from None
     if len(answers) == 1:  # the rank's rows lie in one lane: its runs as they came
         return [run for run, _ in answers[0]], [n for _, n in answers[0]]
