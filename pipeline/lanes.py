@@ -641,7 +641,9 @@ class LanedFeed:
         # the steps it made are made again, the same. Each lane's kept states, by step, from
         # that oldest step on (states at every step: `state_every` 1).
         self.restarts = restarts if self.hold and state_every == 1 else 0
-        self.restarted: list[dict] = []  # each restart: lane, step, reason, time
+        # Each restart: lane, the step it started again from, the steps asked of it again,
+        # reason, time, and the how-manieth of that lane.
+        self.restarted: list[dict] = []
         self._kept_lanes: collections.OrderedDict[int, list[Kept]] = collections.OrderedDict()
         self._remade: list[tuple[int, Any, int, Any]] = []  # lane, its _Actor, first step, call
         self.key = uuid.uuid4().hex
@@ -943,8 +945,9 @@ class LanedFeed:
             self._processes[k] = new.call("process")
             self._making[k] = (0.0, 0.0)
             self._asking = None  # the summaries asked of the dead actor never come
-            self.restarted.append({"lane": k, "step": step, "reason": f"{type(error).__name__}",
-                                   "at": time.time(), "restart": done + 1})  # fmt: skip
+            self.restarted.append({"lane": k, "step": step, "steps": self._asked - step,
+                                   "reason": type(error).__name__, "at": time.time(),
+                                   "restart": done + 1})  # fmt: skip
         print(f"tokenmill: lane {k} of {len(self.lanes)} died ({type(error).__name__}); "
               f"started again from step {step} (restart {done + 1} of {self.restarts})",
               file=sys.stderr, flush=True)  # fmt: skip
