@@ -316,7 +316,8 @@ class LaneWorker:
     def __init__(self, cfg_json: dict, lane: int, state: dict | None, allow_config_change: bool,
                  full_batches: bool, local: bool, ipc: bool,
                  leave_out: LeaveOut | None = None, hold: bool = False,
-                 writes: Writes | None = None, read_ahead: bool | None = None):  # fmt: skip
+                 writes: Writes | None = None, read_ahead: bool | None = None,
+                 expect: dict[int, str] | None = None):  # fmt: skip
         cfg = Config.model_validate(cfg_json)
         self.lane = lane
         self.lanes, self.global_batch_size = cfg.lanes, cfg.global_batch_size
@@ -332,6 +333,11 @@ class LaneWorker:
         # restarted from an earlier step makes the steps its ranks hold again) waits for it.
         self._made = threading.Condition(self._held_lock)
         self.unmade = 0  # the first step not yet held here (set once the feed stands)
+        # A restarted lane's (LanedFeed.restart): the digest of the state after each step it
+        # makes again, as the dead lane gave it. A step made otherwise is not held: the lane
+        # fails (`failed`), and so does every take that waits for it.
+        self.expect = dict(expect or {})
+        self.failed: str | None = None
         # `read.in_lanes`: the lane reads and tokenizes its share itself, no block crosses a
         # process (K lanes are K tokenizing processes); else through Ray Data's tasks.
         # A lane on an actor reads its share on a thread of its own, ahead of its packer
@@ -379,6 +385,16 @@ class LaneWorker:
             none = np.zeros(0, dtype=np.int64)
             flat = np.zeros((0, len(self.names)), dtype=np.int64)
             return LaneMade(self.feed.step, none, none, flat, flat, []), rejects
+        for j, kept in enumerate(states):
+            want = self.expect.pop(chunk.first + j + 1, None)
+            if want is not None and (kept is None or kept.digest != want):
+                with self._held_lock:
+                    self.failed = (
+                        f"lane {self.lane}, started again, made step {chunk.first + j} otherwise "
+                        "than before (its state differs): not served"
+                    )
+                    self._made.notify_all()
+                raise LaneError(self.failed)
         with self._held_lock:
             for j in range(len(chunk)):
                 self.held[chunk.first + j] = (chunk, j)
@@ -468,6 +484,8 @@ class LaneWorker:
         again the steps its ranks were told of."""
         deadline = time.monotonic() + TAKE_WAIT_S
         while step not in self.held and step >= self.unmade:
+            if self.failed:
+                raise LaneError(self.failed)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(
@@ -548,6 +566,24 @@ class _Actor:
         with contextlib.suppress(Exception):  # a dead lane has nothing left to close
             ray.get(self.handle.close.remote(), timeout=30)
         ray.kill(self.handle)
+
+
+@dataclass
+class _Sent:
+    """A weight change sent to the lanes (`set_weights`): after the steps asked before
+    `asked` and before the others, its step, weights and source, and each lane's call (a
+    restarted lane's replaced in place)."""
+
+    asked: int
+    step: int
+    weights: dict
+    source: str
+    calls: list
+
+    def change(self) -> dict:
+        """As a lane's state records it (stages/mixing.py WeightChange)."""
+        weights = {k: float(v) for k, v in self.weights.items()}
+        return {"step": self.step, "weights": weights, "source": self.source}
 
 
 class _Chunk:
@@ -645,7 +681,9 @@ class LanedFeed:
         # reason, time, and the how-manieth of that lane.
         self.restarted: list[dict] = []
         self._kept_lanes: collections.OrderedDict[int, list[Kept]] = collections.OrderedDict()
-        self._remade: list[tuple[int, Any, int, Any]] = []  # lane, its _Actor, first step, call
+        self._remade: list[tuple[int, Any, Any]] = []  # lane, its _Actor, a call made again
+        self._sent: list[_Sent] = []  # weight changes sent since the oldest kept step
+        self._closed = False  # closed, or replaced by a skip: no restart
         self.key = uuid.uuid4().hex
         # Where each lane runs (asked now, read once answered) and the steps it held when it
         # last answered (holding lanes): metrics `lanes`.
@@ -703,8 +741,9 @@ class LanedFeed:
                 self._kept_lanes[self.step] = states
         self.first_step_at: float | None = None
 
-    def _start(self, args: tuple):
-        """A lane actor, with `args` (LaneWorker's)."""
+    def _start(self, args: tuple, expect: dict[int, str] | None = None):
+        """A lane actor, with `args` (LaneWorker's), and the states it is to make (`expect`,
+        a restart's)."""
         import ray
 
         # Holding lanes hand out rows on threads of their own (`take`), beside the one
@@ -714,7 +753,8 @@ class LanedFeed:
             LaneWorker
         )
         resources = self.cfg.service.resources
-        return actor.options(**({"resources": dict(resources)} if resources else {})).remote(*args)
+        opts = {"resources": dict(resources)} if resources else {}
+        return actor.options(**opts).remote(*args, expect=expect)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -758,6 +798,9 @@ class LanedFeed:
         self._told = below
         while self._kept_lanes and next(iter(self._kept_lanes)) < below:
             self._kept_lanes.popitem(last=False)
+        oldest = next(iter(self._kept_lanes), below)
+        # A change sent before the oldest kept step's was made is in every kept state.
+        self._sent = [sent for sent in self._sent if sent.asked >= oldest]
 
     def _room(self) -> int:
         """How many steps may be asked of the lanes now: steps_per_call(K), but never past
@@ -905,41 +948,58 @@ class LanedFeed:
         again from where the service started before it reached the steps the ranks need."""
         if not lane_died(error):
             return self.lanes[k] is not lane
+        import ray
+
         with self._lock:
             if self.lanes[k] is not lane:
                 return True  # restarted already, by the thread that met it first
             done = sum(1 for r in self.restarted if r["lane"] == k)
-            if done >= self.restarts or not self._kept_lanes:
+            if done >= self.restarts or not self._kept_lanes or self._closed:
                 return False
             step, states = next(iter(self._kept_lanes.items()))
             state = states[k].unpack()
             args = list(self._args[k])
             args[2] = state
-            new = _Actor(self._start(tuple(args)))
-            lane.kill()  # a lane taken for dead stays so (a partition that heals)
-            # The weight changes made after that state was (`set_weights` calls the lane had
-            # yet to answer when it died), in step order as the control's mixer holds them.
+            # The states lane k gave after each step it is to make again: the new actor makes
+            # those steps, and holds one for the ranks, only if its state is the same.
+            expect = {at: kept[k].digest for at, kept in self._kept_lanes.items() if at > step}
+            new = _Actor(self._start(tuple(args), expect=expect))
+            with contextlib.suppress(Exception):  # one taken for dead stays so (a partition)
+                ray.kill(lane.handle)  # type: ignore[union-attr]  # actors only (lane_died)
+            # What was asked of lane k since that state, asked again in the same order: the
+            # weight changes the state does not hold, each after the steps asked before it
+            # was sent (a lane's state holds the changes scheduled ahead of it), and the
+            # steps: those joined already, then the chunks not yet joined (calls replaced).
             held = state[PACKER]["mixer"]["history"]
-            replayed = {
-                c.step: new.call("set_weights", c.weights, c.step, c.source)
-                for c in self.mixer.history
-                if c.step >= step and c.as_dict() not in held
-            }
-            import ray
+            changes = collections.deque(
+                sent for sent in self._sent
+                if sent.asked >= step and sent.change() not in held
+            )  # fmt: skip
+            replaced: set[int] = set()
 
-            for change_step, calls in self._changes:
-                calls[k] = replayed.get(change_step) or ray.put(change_step)
-            # Every step asked of lane k since `step`, in the same order: those joined
-            # already, then the chunks not yet joined (their calls replaced).
+            def changes_until(at: int | float) -> None:
+                while changes and changes[0].asked <= at:
+                    sent = changes.popleft()
+                    sent.calls[k] = new.call("set_weights", sent.weights, sent.step, sent.source)
+                    replaced.add(id(sent.calls))
+
             chunks = [c for c in (self._current, *self._pending) if c is not None]
             end = chunks[0].first if chunks else self._asked
             per_call = steps_per_call(len(self.lanes))
-            for first in range(step, end, per_call):
-                n = min(per_call, end - first)
-                call = new.call("steps", n, self.state_every, None)
-                self._remade.append((k, new, first, call))
+            first = step
+            while first < end:
+                changes_until(first)
+                upto = min([first + per_call, end, *(c.asked for c in changes if c.asked > first)])
+                self._remade.append((k, new, new.call("steps", upto - first, self.state_every,
+                                                      None)))  # fmt: skip
+                first = upto
             for c in chunks:
+                changes_until(c.first)
                 c.calls[k] = new.call("steps", c.n, self.state_every, None)
+            changes_until(float("inf"))
+            for change_step, calls in self._changes:  # held by the state: answered here
+                if id(calls) not in replaced:
+                    calls[k] = ray.put(change_step)
             self.lanes[k] = new
             self.handles[k] = new.handle
             self._processes[k] = new.call("process")
@@ -971,25 +1031,18 @@ class LanedFeed:
             self.restart(k, lane, e)
 
     def _check_remade(self) -> None:
-        """The answers of the steps a restarted lane made again, as they come: each state the
-        same as the lane gave for that step before (the same sequence), or the feed fails."""
+        """The answers of the steps a restarted lane made again, as they come: a lane that
+        made one otherwise than before (LaneWorker `expect`) fails the feed."""
         with self._lock:
-            ready = [r for r in self._remade if r[1].ready(r[3])]
+            ready = [r for r in self._remade if r[1].ready(r[2])]
             self._remade = [r for r in self._remade if r not in ready]
-        for k, lane, first, call in ready:
+        for k, lane, call in ready:
             try:
-                made, _ = lane.get(call)
+                lane.get(call)
             except Exception as e:
                 if self.restart(k, lane, e):
                     continue
                 raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
-            for j, kept in enumerate(made.states):
-                before = self._kept_lanes.get(first + j + 1)
-                if before is not None and before[k].digest != kept.digest:
-                    raise LaneError(
-                        f"lane {k}, started again, made step {first + j} otherwise than before "
-                        "(its state differs): the lane's sequence is not a function of its state"
-                    )
 
     def _confirm_changes(self) -> None:
         """Weight changes set without waiting (`set_weights(wait=False)`) that every lane has
@@ -1074,28 +1127,46 @@ class LanedFeed:
             step = max(step, self._asked)
             calls = [lane.call("set_weights", weights, step, source) for lane in self.lanes]
             self.mixer.schedule(step, weights, source=source)
+            if self.restarts:  # after the steps asked so far, for a restart to send again
+                self._sent.append(_Sent(self._asked, step, dict(weights), source, calls))
+            if not wait:
+                self._changes.append((step, calls))
         if wait:
-            got = [lane.get(call) for lane, call in zip(self.lanes, calls, strict=True)]
+            got = [self._answer_of(calls, k) for k in range(len(calls))]
             assert set(got) == {step}, got
-        else:
-            self._changes.append((step, calls))
         with self._lock:
             if step == self.step == self._asked and self._state is not None:
                 # Before its step is begun (the mixing policy's decisions): the state at it
                 # holds the change, as a single feed's would, so a replay from it agrees.
-                states = [lane.get(lane.call("state")) for lane in self.lanes]
+                states = [self._state_of(k) for k in range(len(self.lanes))]
                 self._state = self._nest(states)
                 if self.restarts:
                     self._kept_lanes[self.step] = states
         return step
 
+    def _state_of(self, k: int, method: str = "state") -> Any:
+        """Lane k's answer to `method` (its state now), asked again of its new actor if it
+        died meanwhile."""
+        while True:
+            lane = self.lanes[k]
+            try:
+                return lane.get(lane.call(method))
+            except Exception as e:
+                if not self.restart(k, lane, e):
+                    raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+
     def close(self) -> None:
+        with self._lock:
+            self._closed = True  # no lane is started again from here on
         for lane in self.lanes:
             lane.kill()
 
     def stop_reading(self) -> None:
         """Stop the lanes' reads and making, and keep the lanes (and the rows they hold) until
-        `close`: a skip replaced this feed while ranks may still fetch its steps."""
+        `close`: a skip replaced this feed while ranks may still fetch its steps. A lane that
+        dies from here on is not started again (it would make this feed's steps again)."""
+        with self._lock:
+            self._closed = True
         for lane in self.lanes:  # queued behind the chunks asked: not waited for
             with contextlib.suppress(Exception):  # a dead lane reads nothing
                 lane.call("close")
@@ -1124,17 +1195,19 @@ class LanedFeed:
         """The lanes' summaries: asked for now, or (`wait_for_figures` False) the last ones
         the lanes gave, with the next asked for in the background; the first call waits."""
         if self.wait_for_figures or self._summaries is None:
-            self._summaries = [lane.get(lane.call("summary")) for lane in self.lanes]
+            self._summaries = [self._state_of(k, "summary") for k in range(len(self.lanes))]
             return self._summaries
-        asking = self._asking
-        if asking is not None and all(
-            lane.ready(a) for lane, a in zip(self.lanes, asking, strict=True)
-        ):
-            self._summaries = [lane.get(a) for lane, a in zip(self.lanes, asking, strict=True)]
+        with self._lock:  # a restart drops what was asked of a dead actor
+            asking, lanes = self._asking, list(self.lanes)
+        if asking is not None and all(lane.ready(a) for lane, a in zip(lanes, asking, strict=True)):
+            with contextlib.suppress(Exception):  # a lane died: the last ones stand
+                self._summaries = [lane.get(a) for lane, a in zip(lanes, asking, strict=True)]
             asking = None
         if asking is None:
-            asking = [lane.call("summary") for lane in self.lanes]
-        self._asking = asking
+            asking = [lane.call("summary") for lane in lanes]
+        with self._lock:
+            if self.lanes == lanes:
+                self._asking = asking
         return self._summaries
 
     def _joined_read(self, parts=None) -> dict[str, StreamSummary]:

@@ -528,7 +528,7 @@ class BatchServer:
         with self._cond:
             for feed in (self.feed, *(f for _, f in self._retired)):
                 if getattr(feed, "key", None) == key:
-                    return feed.handles  # type: ignore[union-attr]
+                    return list(feed.handles)  # type: ignore[union-attr]  # as they are now
         from wire.lanes import LaneGone
 
         raise LaneGone(

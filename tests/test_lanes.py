@@ -837,10 +837,13 @@ def _kill(actor) -> None:
         time.sleep(0.05)
 
 
-def _serve_to_the_end(srv, world: int, kills: dict[int, int]) -> tuple[list[bytes], dict]:
+def _serve_to_the_end(srv, world: int, kills: dict[int, int], change: tuple | None = None
+                      ) -> tuple[list[bytes], dict]:  # fmt: skip
     """Every rank's rows of every step to the end of the data (ranks take turns, a few steps
     at a time, as the client does), as Arrow IPC per rank and step; lane `kills[step]` is
-    killed once rank 0 has taken the steps before `step`. And the state at the last step."""
+    killed once rank 0 has taken the steps before `step`, after `change` (rank 0's step,
+    weights, effective step) is sent to the lanes, as the API sends one. And the state at the
+    last step."""
     from tests.helpers import resolved
     from wire.arrays import from_ipc, own, to_ipc
     from wire.lanes import split_run
@@ -851,6 +854,11 @@ def _serve_to_the_end(srv, world: int, kills: dict[int, int]) -> tuple[list[byte
         for r in range(world):
             if ended[r]:
                 continue
+            if r == 0 and change is not None and change[0] <= at[0]:
+                with srv._cond:  # as BatchServer.set_weights calls it
+                    assert srv.feed._asked < change[2], "the lanes began the change's step"
+                    assert srv.feed.set_weights(change[1], change[2], wait=False) == change[2]
+                change = None
             if r == 0 and kills and min(kills) <= at[0]:
                 _kill(srv.feed.lanes[kills.pop(min(kills))].handle)
             reply = srv.get(r, world, at[r], 30.0, count=3)
@@ -873,29 +881,33 @@ def test_a_lane_killed_under_a_service_starts_again_and_the_ranks_get_the_same_r
     """A lane's process killed mid-run (as when its node is lost) is started again from its
     state at the oldest step it holds, makes the same steps again, and the ranks wait for
     them: two ranks (one per lane) get the same rows, byte for byte, as a run nothing killed,
-    to the end of the data, and the same final state. The metrics name each restart. Lane 1
-    dies while the ranks are ahead of nothing (the window full: a rank meets the dead actor
-    and the server starts it again), then lane 0 a while later."""
+    to the end of the data, and the same final state. The metrics name each restart.
+
+    Lane 1 dies right after a weight change for step 300 was sent: the new actor is sent it
+    again after the same steps as the dead one was (a lane's state holds the changes
+    scheduled ahead of it, so its states differ otherwise, and the lane refuses to serve
+    them). Lane 0 dies at step 200, its state holding that change already."""
     from service.server import BatchServer
 
-    cfg = config({n: s | {"repeat": 4} for n, s in small.items()}, 2).model_dump(mode="json")
+    cfg = config({n: s | {"repeat": 40} for n, s in small.items()}, 2).model_dump(mode="json")
+    change = (2, {"code": 0.2, "prose": 0.8}, 300)
     alone = BatchServer(cfg, prefetch=3)
     try:
-        rows_alone, state_alone = _serve_to_the_end(alone, 2, {})
+        rows_alone, state_alone = _serve_to_the_end(alone, 2, {}, change)
     finally:
         alone.close()
     srv = BatchServer(cfg, prefetch=3)
     try:
-        rows, state = _serve_to_the_end(srv, 2, {2: 1, 30: 0})
+        rows, state = _serve_to_the_end(srv, 2, {2: 1, 200: 0}, change)
         restarted = srv.metrics()["lanes_restarted"]
         lanes_view = srv.metrics()["lanes"]
     finally:
         srv.close()
-    assert len(rows) == len(rows_alone) > 2 * 40
+    assert len(rows) == len(rows_alone) > 2 * 350
     assert rows == rows_alone
     assert state == state_alone
     assert [(r["lane"], r["restart"]) for r in restarted] == [(1, 1), (0, 1)]
-    assert restarted[0]["step"] <= 2 and 2 < restarted[1]["step"] <= 30
+    assert restarted[0]["step"] <= 2 < restarted[1]["step"] <= 200
     assert [v["restarts"] for v in lanes_view] == [1, 1]
 
 

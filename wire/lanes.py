@@ -33,11 +33,13 @@ TAKE_THREADS = 16
 
 class LaneGone(RuntimeError):
     """A lane that holds a rank's rows is gone (its process died, or the sequence was
-    replaced); the message names the lane, and `key` and `lane` say which (None: not known)."""
+    replaced); the message names the lane, and `key`, `lane` and `handle` (the actor asked)
+    say which (None: not known)."""
 
-    def __init__(self, message: str, key: str | None = None, lane: int | None = None):
+    def __init__(self, message: str, key: str | None = None, lane: int | None = None,
+                 handle: Any = None):  # fmt: skip
         super().__init__(message)
-        self.key, self.lane = key, lane
+        self.key, self.lane, self.handle = key, lane, handle
 
 
 def rank_rows(num_rows: int, rank: int, world_size: int, global_batch_size: int) -> slice:
@@ -189,10 +191,9 @@ def fetch_again(
         except LaneGone as e:
             if e.key is None or e.lane is None or attempt == tries:
                 raise
-            before = actors(e.key)[e.lane]
             now = gone(e.key, e.lane)
             actors.renew(e.key, now)
-            if now[e.lane] == before:  # not started again (no restarts left): the lane is gone
+            if now[e.lane] == e.handle:  # not started again (no restarts left): it is gone
                 raise
     raise AssertionError("unreachable")
 
@@ -211,13 +212,14 @@ def fetch(
     LookupError."""
     import ray
 
+    asked = [(key, k, parts, actors(key)[k]) for key, k, parts in lanes]
     calls = [
-        (key, k, parts, actors(key)[k].take.options(concurrency_group=TAKE_GROUP).remote(
+        (key, k, parts, handle, handle.take.options(concurrency_group=TAKE_GROUP).remote(
             parts, rank, world_size))
-        for key, k, parts in lanes
+        for key, k, parts, handle in asked
     ]  # fmt: skip
     answers = []
-    for key, k, parts, ref in calls:
+    for key, k, parts, handle, ref in calls:
         try:
             answers.append(ray.get(ref, timeout=timeout_s))
         except ray.exceptions.GetTimeoutError:
@@ -230,6 +232,7 @@ def fetch(
                 f"({type(e).__name__}): its sequence was replaced or its process died",
                 key=key,
                 lane=k,
+                handle=handle,
             ) from None
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
