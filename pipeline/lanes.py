@@ -603,7 +603,8 @@ def lane_died(error: BaseException) -> bool:
         import ray.exceptions
     except ImportError:  # in-process lanes only: nothing dies apart
         return False
-    return isinstance(error, ray.exceptions.RayActorError)
+    # ObjectLostError: an answer kept on the lane's node, lost with it.
+    return isinstance(error, ray.exceptions.RayActorError | ray.exceptions.ObjectLostError)
 
 
 class LanedFeed:
@@ -778,19 +779,26 @@ class LanedFeed:
 
     def release(self, below: int) -> None:
         """Every rank has taken the steps before `below` from the lanes (hold): the lanes may
-        let them go, told with the next steps asked of them. Once the data has ended no step
-        is asked again, so they are told alone (a call for no step), a chunk's steps at a
-        time: the steps made ahead at the end can be many (`most_in_flight`)."""
+        let them go, told with the next steps asked of them, or alone once the data has ended
+        (`_release_alone`)."""
         with self._lock:
             self._release = max(below, self._release or 0)
-            if not (self.finished and self.hold) or isinstance(self.lanes[0], _Local):
-                return
-            if self._release - self._told < steps_per_call(len(self.lanes)):
-                return
-            below, self._release = self._release, None
-            self._told_lanes(below)
-            for lane in self.lanes:
-                lane.call("steps", 0, 0, below)  # answered by nobody: a release only
+            if self.finished and self.hold:
+                self._release_alone()
+
+    def _release_alone(self) -> None:
+        """Under the lock: the steps every rank has, told the lanes in a call of its own (no
+        step is asked to carry them: the data ended, or the control asks fewer chunks ahead
+        than it has), a chunk's steps at a time: the steps made ahead can be many
+        (`most_in_flight`), and a restart makes again those a lane holds."""
+        if self._release is None or isinstance(self.lanes[0], _Local):
+            return
+        if self._release - self._told < steps_per_call(len(self.lanes)):
+            return
+        below, self._release = self._release, None
+        self._told_lanes(below)
+        for lane in self.lanes:
+            lane.call("steps", 0, 0, below)  # answered by nobody: a release only
 
     def _told_lanes(self, below: int) -> None:
         """Under the lock: the lanes are told to let go of the steps before `below`, and so
@@ -854,12 +862,17 @@ class LanedFeed:
                     self._last[k] = lane_made
         self._confirm_changes()
         # The next chunks are made while this one is joined and written (actors only).
+        asked = False
         while not isinstance(self.lanes[0], _Local) and len(self._pending) < self.depth:
             with self._lock:  # asked and pending at once, for a restart to find
                 ahead = self._ask()
                 if ahead is None:  # the mixing policy's next decision comes first
                     break
                 self._pending.append(ahead)
+                asked = True
+        if self.hold and not asked:  # the depth falling back: the releases go alone
+            with self._lock:
+                self._release_alone()
         for _, rejects in answers:
             for reject in rejects:
                 if self.on_reject is not None:
