@@ -74,6 +74,10 @@ def serve_once(cfg, name: str, world: int, steps: int, step_s: float,
             lanes = ray.get(actor.metrics.remote(), timeout=30)["lanes"]
             os.kill(int(lanes[lane]["pid"]), signal.SIGKILL)
             killed_at = time.time()
+        ahead = []  # the chunks the control asked ahead, sampled through the run
+        while any(t.is_alive() for t in threads):
+            ahead.append(ray.get(actor.metrics.remote(), timeout=30)["lanes_chunks_ahead"])
+            time.sleep(0.2)
         for t in threads:
             t.join()
         metrics = ray.get(actor.metrics.remote(), timeout=30)
@@ -94,6 +98,7 @@ def serve_once(cfg, name: str, world: int, steps: int, step_s: float,
         "restarted": metrics.get("lanes_restarted") or [],
         "killed_at": killed_at,
         "global_step": metrics.get("global_step"),
+        "chunks_ahead": (min(ahead, default=0), max(ahead, default=0)),
     }
 
 
@@ -133,7 +138,8 @@ def main(argv=None) -> int:
           f"step {args.kill_at}")  # fmt: skip
     for label, r in (("whole", whole), ("killed", killed)):
         print(f"  {label:7s} wall {r['wall_s']:7.2f} s  median step {r['median_gap_ms']:7.2f} ms"
-              f"  longest wait {r['stall_s']:6.2f} s")  # fmt: skip
+              f"  longest wait {r['stall_s']:6.2f} s  made {r['global_step']} steps, "
+              "chunks asked ahead {}-{}".format(*r["chunks_ahead"]))  # fmt: skip
     for r in killed["restarted"]:
         print(
             f"  restart: lane {r['lane']} from step {r['step']}, {r['steps']} steps made "

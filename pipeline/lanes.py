@@ -730,6 +730,13 @@ class LanedFeed:
         # Chunks asked ahead of the one joined: `in_flight` while the lanes keep ahead, more
         # while the control waits on them (`next_depth`, `most_in_flight`).
         self.depth = self._least_depth = in_flight(K)
+        # Whether the ranks, not the lanes, set the pace (the batch server's: True once its
+        # window was full, False once a rank waited for a step): a chunk not made yet is then
+        # no reason to ask further ahead. With ranks that take 64 steps a call, the producer
+        # makes each 64 as fast as the lanes can while the ranks train on the last: told only
+        # whether the window filled since the last chunk, the control asked 16 chunks ahead
+        # most of a run of ranks taking a step per 50 ms (`bench.lane_restart --step-ms 50`).
+        self.ranks_behind = False
         self._most_depth = most_in_flight(cfg)
         self._making = [(0.0, 0.0)] * K  # each lane's making_s, making_process_s last answered
         self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
@@ -855,8 +862,8 @@ class LanedFeed:
             self._check_remade()
         if self.hold:  # the depth follows holding lanes (LaneMade carries their making time)
             cored, self._making = had_cores(self._making, [made for made, _ in answers])
-            self.depth = next_depth(self.depth, not made_already and cored, self._least_depth,
-                                    self._most_depth)  # fmt: skip
+            waited = not made_already and cored and not self.ranks_behind
+            self.depth = next_depth(self.depth, waited, self._least_depth, self._most_depth)
             for k, (lane_made, _) in enumerate(answers):
                 if len(lane_made):
                     self._last[k] = lane_made

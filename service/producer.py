@@ -103,6 +103,8 @@ class Producer:
                     self.state = PAUSED if self.paused else RUNNING
                     while not self._stop and (self.paused or not self.window.room()):
                         self.state = PAUSED if self.paused else RUNNING
+                        if isinstance(self.feed, LanedFeed):  # the ranks set the pace now
+                            self.feed.ranks_behind = True  # until one waits (server.get)
                         self.cond.wait(timeout=1.0)
                     if self._stop:
                         return

@@ -511,6 +511,8 @@ class BatchServer:
                 if left <= 0:
                     return StepReply("wait", reason=self._why_waiting())
                 waited = True
+                if not self.producer.paused and hasattr(self.feed, "ranks_behind"):
+                    self.feed.ranks_behind = False  # a rank waits for the lanes' steps
                 self._cond.wait(timeout=min(left, 1.0))
         from pipeline.feed import rank_runs
         from pipeline.lanes import LanedStep, where

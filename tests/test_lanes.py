@@ -149,6 +149,16 @@ def test_the_control_asks_more_chunks_ahead_while_it_waits_on_the_lanes(streams,
             if feed.depth == least:
                 break
         assert feed.depth == least
+        # Taken as fast as they come again while the ranks set the pace (the batch server's
+        # window filled, and no rank has waited since: they train on what they took), the
+        # depth stays. Then once a rank waits: the lanes' reads make the control wait again.
+        for behind in (True, False):
+            feed.ranks_behind = behind
+            seen = []
+            for _ in range(96):
+                feed.next_step()
+                seen.append(feed.depth)
+            assert max(seen) == least if behind else max(seen) > least, (behind, seen)
     finally:
         feed.close()
 
