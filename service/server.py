@@ -484,6 +484,8 @@ class BatchServer:
                     linger_until = linger_until or time.monotonic() + LINGER_S
                     left = linger_until - time.monotonic()
                     if left > 0:
+                        if hasattr(self.feed, "ranks_behind"):
+                            self.feed.ranks_behind = False  # it waits for the lanes' steps
                         self._linger_for[rank] = step + want
                         try:
                             self._lingering.wait(timeout=left)
