@@ -781,53 +781,6 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
             srv.close()
 
 
-@pytest.mark.slow
-def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
-    """A lane actor killed mid-run with no restarts left (`service.lane_restarts: 0`): a rank
-    taking rows it held gets an error that says the lane is gone, and the service fails naming
-    the lane, instead of hanging or serving a step without that lane's rows."""
-    import time
-
-    import ray
-
-    from service.server import BatchServer
-    from tests.helpers import resolved
-    from wire.lanes import LaneGone
-
-    # Read many times over: the lanes cannot have made the whole sequence (16 steps ahead of
-    # what is handed out) before the kill, so the producer meets the dead lane (a CI run saw
-    # the short corpus made to its end first, and nothing left to fail).
-    forever = {n: s | {"repeat": 100} for n, s in small.items()}
-    cfg = config(forever, 2, service={"lane_restarts": 0})
-    srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
-    try:
-        assert resolved(srv, srv.get(0, 1, 0, 30.0), 0, 1).runs
-        while not (reply := srv.get(0, 1, 1, 2.0)).ready:
-            pass
-        lane = srv.feed.lanes[1].handle
-        ray.kill(lane)
-        deadline = time.time() + 60
-        while True:  # ray.kill is asynchronous: a call right after it may still be answered
-            try:
-                ray.get(lane.process.remote(), timeout=2.0)
-            except ray.exceptions.RayActorError:
-                break
-            except ray.exceptions.GetTimeoutError:
-                pass
-            assert time.time() < deadline, "the killed lane still answers"
-            time.sleep(0.05)
-        with pytest.raises(LaneGone, match="is gone"):
-            resolved(srv, reply, 0, 1)
-        deadline, step = time.time() + 60, 1 + reply.steps
-        with pytest.raises(RuntimeError, match="lane 1 of 2 failed"):
-            while time.time() < deadline:
-                if (r := srv.get(0, 1, step, 2.0)).ready:
-                    step += r.steps
-        assert "lane 1 of 2 failed" in srv.status()["error"]
-    finally:
-        srv.close()
-
-
 def _kill(actor) -> None:
     """Kill a lane actor and wait until it is gone (ray.kill is asynchronous)."""
     import time
@@ -845,6 +798,40 @@ def _kill(actor) -> None:
             pass
         assert time.time() < deadline, "the killed lane still answers"
         time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
+    """A lane actor killed mid-run with no restarts left (`service.lane_restarts: 0`): a rank
+    taking rows it held gets an error that says the lane is gone, and the service fails naming
+    the lane, instead of hanging or serving a step without that lane's rows."""
+    import time
+
+    from service.server import BatchServer
+    from tests.helpers import resolved
+    from wire.lanes import LaneGone
+
+    # Read many times over: the lanes cannot have made the whole sequence (16 steps ahead of
+    # what is handed out) before the kill, so the producer meets the dead lane (a CI run saw
+    # the short corpus made to its end first, and nothing left to fail).
+    forever = {n: s | {"repeat": 100} for n, s in small.items()}
+    cfg = config(forever, 2, service={"lane_restarts": 0})
+    srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
+    try:
+        assert resolved(srv, srv.get(0, 1, 0, 30.0), 0, 1).runs
+        while not (reply := srv.get(0, 1, 1, 2.0)).ready:
+            pass
+        _kill(srv.feed.lanes[1].handle)
+        with pytest.raises(LaneGone, match="is gone"):
+            resolved(srv, reply, 0, 1)
+        deadline, step = time.time() + 60, 1 + reply.steps
+        with pytest.raises(RuntimeError, match="lane 1 of 2 failed"):
+            while time.time() < deadline:
+                if (r := srv.get(0, 1, step, 2.0)).ready:
+                    step += r.steps
+        assert "lane 1 of 2 failed" in srv.status()["error"]
+    finally:
+        srv.close()
 
 
 def _serve_to_the_end(srv, world: int, kills: dict[int, int], change: tuple | None = None
