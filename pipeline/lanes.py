@@ -599,10 +599,8 @@ class _Chunk:
 def lane_died(error: BaseException) -> bool:
     """Whether `error`, met asking a lane actor, says its process is gone (killed, its node
     lost), as opposed to a failure of the lane's own work (a bad record, a bug)."""
-    try:
-        import ray.exceptions
-    except ImportError:  # in-process lanes only: nothing dies apart
-        return False
+    import ray.exceptions
+
     # ObjectLostError: an answer kept on the lane's node, lost with it.
     return isinstance(error, ray.exceptions.RayActorError | ray.exceptions.ObjectLostError)
 
@@ -1158,15 +1156,15 @@ class LanedFeed:
             if step == self.step == self._asked and self._state is not None:
                 # Before its step is begun (the mixing policy's decisions): the state at it
                 # holds the change, as a single feed's would, so a replay from it agrees.
-                states = [self._state_of(k) for k in range(len(self.lanes))]
+                states = [self._call_lane(k, "state") for k in range(len(self.lanes))]
                 self._state = self._nest(states)
                 if self.restarts:
                     self._kept_lanes[self.step] = states
         return step
 
-    def _state_of(self, k: int, method: str = "state") -> Any:
-        """Lane k's answer to `method` (its state now), asked again of its new actor if it
-        died meanwhile."""
+    def _call_lane(self, k: int, method: str) -> Any:
+        """Lane k's answer to `method` (its state, its summary), asked again of its new actor
+        if it died meanwhile."""
         while True:
             lane = self.lanes[k]
             try:
@@ -1215,7 +1213,7 @@ class LanedFeed:
         """The lanes' summaries: asked for now, or (`wait_for_figures` False) the last ones
         the lanes gave, with the next asked for in the background; the first call waits."""
         if self.wait_for_figures or self._summaries is None:
-            self._summaries = [self._state_of(k, "summary") for k in range(len(self.lanes))]
+            self._summaries = [self._call_lane(k, "summary") for k in range(len(self.lanes))]
             return self._summaries
         with self._lock:  # a restart drops what was asked of a dead actor
             asking, lanes = self._asking, list(self.lanes)
