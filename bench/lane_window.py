@@ -19,7 +19,7 @@ control asks them: chunk c goes to every lane once every lane has made chunk c -
 the ranks take each joined step at once. It prints the replay's steps per second, and ÷ the
 slowest lane's own rate (1.00: the chunks asked ahead cost nothing), for the depths the
 control uses: `in_flight` while the lanes keep ahead, up to `most_in_flight` while it waits on
-them (pipeline/lanes.py). A model, not a served run: it leaves out the control's and the
+them (pipeline/lanes/depth.py). A model, not a served run: it leaves out the control's and the
 ranks' CPU and Ray's calls. A step made alone in a call carries that call's cost, which comes
 with every step alike.
 """

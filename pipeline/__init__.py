@@ -7,7 +7,7 @@
 - `stages/`: documents, shuffle, mixing and packing, each a resumable stage;
 - `state/`: a run's sealed resume state and its summary;
 - `feed.py`: the stages chained into global steps (`Feed`), what export and serve run;
-- `lanes.py`: K feeds, each a Ray actor with its share of the data, joined into global steps;
+- `lanes/`: K feeds, each a Ray actor with its share of the data, joined into global steps;
 - `inspect/`: questions asked of a config without a run: `stats`, `provenance` (trace).
 
 A module imports only from its own floor or below (`dev-extras/layers.py`, run by `./dev lint`).

@@ -406,7 +406,7 @@ class Config(_Frozen):
     seq_len: Annotated[int, Field(ge=8, le=1 << 20)] = 1024
     global_batch_size: Annotated[int, Field(ge=1)] = 16
     # Independent feeds that each read, mix and pack their share of every stream and make
-    # their G/K rows of every global step (pipeline/lanes.py). 1: one feed, as always.
+    # their G/K rows of every global step (pipeline/lanes/). 1: one feed, as always.
     # The sequence is a function of (config, seed, lanes): changing it is a new sequence.
     lanes: Annotated[int, Field(ge=1, le=1024)] = 1
     tokenizer: TokenizerConfig = TokenizerConfig()

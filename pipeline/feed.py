@@ -83,7 +83,7 @@ class Feed:
         leave_out: LeaveOut | None = None,
     ):
         """With `cfg.lanes` K > 1 this is lane `lane`: its share of every stream and its
-        G/K rows of every step (pipeline/lanes.py joins the lanes into global steps).
+        G/K rows of every step (pipeline/lanes/feed.py joins the lanes into global steps).
         `leave_out`: documents to leave out from this step on (a resume's `--skip-steps`,
         `--skip-docs`), added to those the state already leaves out."""
         if lane is None:
@@ -333,7 +333,7 @@ def rank_runs(
 
 
 class Steps(Protocol):
-    """What makes global steps: a `Feed`, or lanes joined (pipeline/lanes.py)."""
+    """What makes global steps: a `Feed`, or lanes joined (pipeline/lanes/feed.py)."""
 
     step: int
 

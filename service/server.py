@@ -527,7 +527,7 @@ class BatchServer:
         return StepReply("ready", [to_ipc(run) for run, _ in runs], [n for _, n in runs])
 
     def lane_handles(self, key: str) -> list:
-        """The lane actors that a reply names by `key` (pipeline/lanes.py `where`): the
+        """The lane actors that a reply names by `key` (pipeline/lanes/steps.py `where`): the
         running feed's, or those of a feed a skip replaced whose steps ranks still take."""
         with self._cond:
             for feed in (self.feed, *(f for _, f in self._retired)):
@@ -985,7 +985,7 @@ class BatchServer:
                 "lag_normal_max": self.prefetch + min(LOOKAHEAD, self.prefetch),
                 "global_step": self.window.produced,
                 "held_steps": len(self.window.steps),
-                # `lanes` > 1: where each lane runs and the steps it holds (pipeline/lanes.py)
+                # `lanes` > 1: where each lane runs and the steps it holds (pipeline/lanes/feed.py `lane_view`)
                 "lanes": self.feed.lane_view() if hasattr(self.feed, "lane_view") else None,
                 "lanes_waited_s": getattr(self.feed, "waited_s", None),  # producer, on lanes
                 "lanes_chunks_ahead": getattr(self.feed, "depth", None),  # LanedFeed.depth

@@ -1,4 +1,4 @@
-"""Lanes (pipeline/lanes.py): K feeds, each with its share of every stream, make G/K rows of
+"""Lanes (pipeline/lanes/): K feeds, each with its share of every stream, make G/K rows of
 every global step. The sequence is a function of (config, seed, K), never of the world size;
 it resumes exactly from one nested state; mixing stays within K segments of its targets; a
 weight change lands at one step in every lane; lanes on Ray actors make the bytes that lanes
@@ -95,7 +95,6 @@ def test_the_control_asks_more_chunks_ahead_while_it_waits_on_the_lanes(streams,
 
     import numpy as np
 
-    from pipeline import lanes as lanes_module
     from pipeline.lanes import (
         LaneMade,
         had_cores,
@@ -104,6 +103,7 @@ def test_the_control_asks_more_chunks_ahead_while_it_waits_on_the_lanes(streams,
         next_depth,
         steps_per_call,
     )
+    from pipeline.lanes import depth as lanes_depth
 
     big = parse_config({"seq_len": 2048, "global_batch_size": 32, "lanes": 16,
                         "streams": streams})  # fmt: skip
@@ -130,7 +130,7 @@ def test_the_control_asks_more_chunks_ahead_while_it_waits_on_the_lanes(streams,
 
     # Live, on actors. This machine's cores are shared with the test, so the lanes are taken
     # to have cores of their own whatever they had (CORED 0): the rule above decides that.
-    monkeypatch.setattr(lanes_module, "CORED", 0.0)
+    monkeypatch.setattr(lanes_depth, "CORED", 0.0)
     cfg = config({n: s | {"repeat": 40} for n, s in streams.items()}, 2,
                  read={"first_block_bytes": 8 << 10, "block_bytes": 64 << 10})  # fmt: skip
     least, most = in_flight(2), most_in_flight(cfg)

@@ -76,7 +76,7 @@ def own(batch: pa.RecordBatch) -> pa.RecordBatch:
     """The batch with buffers of its own, exactly its rows. Arrow's IPC writer writes a slice's
     buffers rounded up (to 8 or 64 bytes) from the memory after its rows, so a slice of a
     larger batch carries some of its neighbours' bytes in its padding: equal data, other
-    bytes. A file must be the same bytes however the rows were held (`pipeline/lanes.py`
+    bytes. A file must be the same bytes however the rows were held (`pipeline/lanes/worker.py`
     `LaneWorker._write`)."""
     return pa.concat_batches([batch])
 

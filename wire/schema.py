@@ -86,7 +86,7 @@ def build_batches(
 @dataclass(frozen=True)
 class StepChunk:
     """Consecutive steps' rows in one record batch (`build_chunk`), and what each step
-    counts: what a lane that holds its steps keeps (pipeline/lanes.py `LaneWorker`).
+    counts: what a lane that holds its steps keeps (pipeline/lanes/worker.py `LaneWorker`).
 
     Built per step, a lane of 16 paid for ~12 Arrow objects and a receipt per step of two
     rows; as a chunk it pays them once per call, and a step's rows are sliced out when a

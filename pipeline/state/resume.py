@@ -79,7 +79,7 @@ REAL_TOKENS = "real_tokens"
 DOCS_EMITTED = "docs_emitted"
 FINISHED = "finished"
 DIGEST = "digest"
-LANES = "lanes"  # a laned feed's state: its lanes' states, in lane order (pipeline/lanes.py)
+LANES = "lanes"  # a laned feed's state: its lanes' states, in lane order (pipeline/lanes/)
 
 
 class StateError(ValueError):

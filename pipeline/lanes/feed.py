@@ -1,0 +1,648 @@
+"""The control's side of lanes: `LanedFeed`, the global steps of a config with `lanes` K > 1,
+joined from K lane feeds (lanes/worker.py) that it asks ahead, a chunk of steps at a time
+(lanes/depth.py), and starts again when one's process dies (lanes/restart.py)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.config import Config, normalize_weights
+from pipeline.feed import LeaveOut
+from pipeline.lanes.depth import (
+    STEPS_PER_CALL,
+    had_cores,
+    in_flight,
+    most_in_flight,
+    next_depth,
+    steps_per_call,
+)
+from pipeline.lanes.figures import joined_read, joined_summary
+from pipeline.lanes.handles import ActorLane, LocalLane, lane_died
+from pipeline.lanes.restart import Restarts, Sent
+from pipeline.lanes.steps import LanedStep, LaneError, LaneMade, Receipt, Writes, served_counts
+from pipeline.lanes.worker import LaneWorker
+from pipeline.stages.documents import Reject
+from pipeline.stages.mixing import DeficitMixer
+from pipeline.stages.policy import window_for
+from pipeline.state.resume import (
+    CONFIG_HASH,
+    DOCS_EMITTED,
+    FEED,
+    PACKER,
+    REAL_TOKENS,
+    ROWS,
+    STATE_VERSION,
+    STEP,
+    Kept,
+    Nested,
+    check_laned_state,
+    nest_kept,
+)
+from pipeline.state.summary import RunSummary, RunTotals
+from wire.arrays import from_ipc
+from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts
+
+
+class _Chunk:
+    """Steps asked of every lane at once, one call each: the first step, how many, and each
+    lane's call (a restarted lane's is replaced in place, `LanedFeed.restart`)."""
+
+    __slots__ = ("first", "n", "calls")
+
+    def __init__(self, first: int, n: int, calls: list):
+        self.first, self.n, self.calls = first, n, calls
+
+
+class LanedFeed:
+    """The global steps of a config with `lanes` K > 1, joined from K lane feeds.
+
+    The face an export and the batch server use of a `Feed`: `next_step`, `get_state` (at
+    the start, and every `state_every` steps: a lane's state exists only at the steps it was
+    asked for), `set_weights`, `rejects` (or `on_reject`), `mixer` (the global mixture's
+    bookkeeping: its weight changes and what was served; the lanes do the mixing), `totals`,
+    `summary`, `close`. `local`: the lanes run in this process, one after the other
+    (`export --local`, tests); else each in a Ray actor."""
+
+    def __init__(self, cfg: Config, *, local: bool = False, state: dict | None = None,
+                 allow_config_change: bool = False, full_batches: bool = True,
+                 state_every: int = 0,
+                 on_reject: Callable[[Reject], None] | None = None,
+                 wait_for_figures: bool = True,
+                 leave_out: LeaveOut | None = None, hold: bool = False,
+                 writes: Writes | None = None, restarts: int = 0):  # fmt: skip
+        self.cfg = cfg
+        # `hold` (the batch server): the lanes keep the steps they make and `next_step` gives
+        # a LanedStep (where its rows are) instead of the rows: ranks take them from the
+        # lanes, and this process never touches token data (actors only).
+        # `writes` (an export on actors): the lanes write the step files of the ranks whose
+        # rows they hold (holding the steps, so that the export can join the others).
+        self.hold = (hold or writes is not None) and not local
+        self.writes = writes if self.hold else None
+        self._release: int | None = None  # the lanes let go of steps before this (hold)
+        self._told = 0  # the last `release` the lanes were told
+        self.names = list(cfg.streams)
+        self.config_hash = cfg.config_hash()
+        self.full_batches = full_batches
+        self.state_every = state_every
+        K = cfg.lanes
+        parts: list[dict | None] = [None] * K
+        self.step = 0
+        self.rows = self.real_tokens = 0
+        self.tokens = np.zeros(len(self.names), dtype=np.int64)
+        self.docs_emitted = np.zeros(len(self.names), dtype=np.int64)
+        if state is not None:
+            checked = check_laned_state(state, self.config_hash, self.names,
+                                        allow_config_change, cfg.packing.mode, K)  # fmt: skip
+            parts = list(checked)
+            self.step = int(state[STEP])
+            for part in checked:
+                f = part[FEED]
+                self.rows += int(f[ROWS])
+                self.real_tokens += int(f[REAL_TOKENS])
+                placed = part[PACKER]["mixer"]["placed"]
+                for i, n in enumerate(self.names):
+                    self.docs_emitted[i] += int(f[DOCS_EMITTED].get(n, 0))
+                    self.tokens[i] += int(placed.get(n, 0))
+        cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
+        # Lanes make steps in the compact layout when this feed does; a step whose lanes
+        # differ in layout (one kept labels it could not derive) is joined in full, then
+        # compacted again (`_join`).
+        # Documents to leave out go to every lane: each meets only its own.
+        self._args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local,
+                       not local, leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
+        self.lanes: list[LocalLane | ActorLane]
+        if local:
+            self.lanes = [LocalLane(LaneWorker(*a)) for a in self._args]
+        else:
+            self.lanes = [ActorLane(self._start(a)) for a in self._args]
+        # One list shared by every step it makes (a restarted lane's actor replaces its
+        # entry), and the key a rank's reply names it by (`where`): unique to this feed's
+        # actors, so a skip's new lanes have another.
+        self.handles = [getattr(lane, "handle", None) for lane in self.lanes]
+        # A holding lane whose process died is started again from its state at the oldest
+        # step it held, up to `restarts` times per lane (`restart`; service.lane_restarts):
+        # the steps it made are made again, the same (lanes/restart.py). Lanes give states
+        # at every step only with `state_every` 1.
+        self.restarts = Restarts(restarts if self.hold and state_every == 1 else 0)
+        self._closed = False  # closed, or replaced by a skip: no restart
+        self.key = uuid.uuid4().hex
+        # Where each lane runs (asked now, read once answered) and the steps it held when it
+        # last answered (holding lanes): metrics `lanes`.
+        self._processes = [lane.call("process") for lane in self.lanes]
+        self._last: list[Receipt | LaneMade] = [
+            Receipt(0, 0, [], [])
+        ] * K  # each lane's latest receipt
+        # The seconds `next_step` waited for the lanes' answers (metrics `lanes_waited_s`):
+        # a step waits for its slowest lane, the one whose making time keeps pace (`_last`).
+        self.waited_s = 0.0
+        self.rejects: list[Reject] = []
+        self.on_reject = on_reject
+        # False (the batch server): `summary` answers with the lanes' last summaries and asks
+        # again in the background, so a metrics call never waits on a lane busy making steps
+        # (what was served is counted here, always current; what was read lags one call).
+        self.wait_for_figures = wait_for_figures
+        self._summaries: list | None = None
+        self._asking: list | None = None
+        # The batch server calls set_weights from its control thread while its producer
+        # thread makes steps: the lock orders the lanes' calls and guards the bookkeeping.
+        self._lock = threading.RLock()
+        # The global mixture's bookkeeping (never mixes): the same changes as every lane's
+        # mixer, and `placed` what was served, so `scheduled_weights` and `realized` answer
+        # here without asking the lanes.
+        self.mixer = DeficitMixer(self.names, {n: s.weight for n, s in cfg.streams.items()},
+                                  cfg.mixing.on_exhausted)  # fmt: skip
+        for entry in cfg.schedule:
+            self.mixer.schedule(entry.step, entry.weights, source="schedule")
+        if state is not None:
+            self.mixer.set_state(parts[0][PACKER]["mixer"])  # type: ignore[index]
+            if state[CONFIG_HASH] != self.config_hash:
+                self.mixer.schedule(self.step, {n: s.weight for n, s in cfg.streams.items()},
+                                    "resume")  # fmt: skip
+        self.mixer.placed = self.tokens
+        self.mixer.begin_step(self.step)
+        self.finished = False
+        self._ready: collections.deque = collections.deque()
+        # The chunks asked for ahead (in_flight): each its step count and the lanes' answers.
+        self._pending: collections.deque[_Chunk] = collections.deque()
+        self._current: _Chunk | None = None  # the chunk being joined (`_fill`)
+        self._asked = self.step  # steps asked of every lane: the first step no lane has begun
+        self._first = self.step  # the first call asks STEPS_PER_CALL: the first step comes sooner
+        # Chunks asked ahead of the one joined: `in_flight` while the lanes keep ahead, more
+        # while the control waits on them (`next_depth`, `most_in_flight`).
+        self.depth = self._least_depth = in_flight(K)
+        # Whether the ranks, not the lanes, set the pace (the batch server's: True once its
+        # window was full, False once a rank waited for a step): a chunk not made yet is then
+        # no reason to ask further ahead. With ranks that take 64 steps a call, the producer
+        # makes each 64 as fast as the lanes can while the ranks train on the last: told only
+        # whether the window filled since the last chunk, the control asked 16 chunks ahead
+        # most of a run of ranks taking a step per 50 ms (`bench.lane_restart --step-ms 50`).
+        self.ranks_behind = False
+        self._most_depth = most_in_flight(cfg)
+        self._making = [(0.0, 0.0)] * K  # each lane's making_s, making_process_s last answered
+        self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
+        # The state after the last step handed out; at the start, the lanes' own.
+        self._state: Nested | None = None
+        if state_every:
+            states = [lane.get(lane.call("state")) for lane in self.lanes]
+            self._state = self._nest(states)
+            self.restarts.keep(self.step, states)
+        self.first_step_at: float | None = None
+
+    def _start(self, args: tuple, expect: dict[int, str] | None = None):
+        """A lane actor, with `args` (LaneWorker's), and the states it is to make (`expect`,
+        a restart's)."""
+        import ray
+
+        # Holding lanes hand out rows on threads of their own (`take`), beside the one
+        # thread (the default group) that makes steps, changes weights and gives states.
+        groups = {"concurrency_groups": {TAKE_GROUP: TAKE_THREADS}} if self.hold else {}
+        actor = ray.remote(num_cpus=0, max_restarts=0, **groups)(  # type: ignore[call-overload]
+            LaneWorker
+        )
+        resources = self.cfg.service.resources
+        opts = {"resources": dict(resources)} if resources else {}
+        return actor.options(**opts).remote(*args, expect=expect)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def next_step(self) -> pa.RecordBatch | LanedStep | None:
+        """The next global step (G rows; the last may be short), or None when the data ends.
+        Holding (`hold`): a LanedStep, whose rows the lanes keep."""
+        while not self._ready and not self.finished:
+            self._fill()
+        if not self._ready:
+            return None
+        with self._lock:
+            made, self._state = self._ready.popleft()
+            self.step += 1
+            self.mixer.begin_step(self.step)
+            if self.hold:
+                made, counts = made
+                self._add(*counts)
+            else:
+                self._count([served_counts(made, self.names)])
+        return made
+
+    def release(self, below: int) -> None:
+        """Every rank has taken the steps before `below` from the lanes (hold): the lanes may
+        let them go, told with the next steps asked of them, or alone once the data has ended
+        (`_release_alone`)."""
+        with self._lock:
+            self._release = max(below, self._release or 0)
+            if self.finished and self.hold:
+                self._release_alone()
+
+    def _release_alone(self) -> None:
+        """Under the lock: the steps every rank has, told the lanes in a call of its own (no
+        step is asked to carry them: the data ended, or the control asks fewer chunks ahead
+        than it has), a chunk's steps at a time: the steps made ahead can be many
+        (`most_in_flight`), and a restart makes again those a lane holds."""
+        if self._release is None or isinstance(self.lanes[0], LocalLane):
+            return
+        if self._release - self._told < steps_per_call(len(self.lanes)):
+            return
+        below, self._release = self._release, None
+        self._told_lanes(below)
+        for lane in self.lanes:
+            lane.call("steps", 0, 0, below)  # answered by nobody: a release only
+
+    def _told_lanes(self, below: int) -> None:
+        """Under the lock: the lanes are told to let go of the steps before `below`, and so
+        are their states kept for a restart (every rank has those steps)."""
+        self._told = below
+        self.restarts.forget_below(below)
+
+    def _room(self) -> int:
+        """How many steps may be asked of the lanes now: steps_per_call(K), but never past
+        the next decision of the mixing policy after the step being made (`mixing.policy`):
+        its weights are decided (`set_weights`) just before it is made, so no lane may begin
+        it earlier. A decision at or before `self.step` is made already."""
+        per_call = steps_per_call(len(self.lanes))
+        policy = self.cfg.mixing.policy
+        if policy is None:
+            return per_call
+        for step in range(self.step + 1, self._asked + per_call):
+            if window_for(step, policy.every, policy.delay) is not None:
+                return min(per_call, step - self._asked)
+        return per_call
+
+    def _ask(self) -> _Chunk | None:
+        # Under the lock: a weight change submitted to the lanes is ordered before or after
+        # the whole chunk in every lane (an actor runs one caller's calls in order).
+        with self._lock:
+            n = self._room()
+            if self._asked == self._first:
+                n = min(n, STEPS_PER_CALL)
+            if n <= 0:
+                return None
+            first, self._asked = self._asked, self._asked + n
+            release, self._release = self._release, None
+            if release is not None:
+                self._told_lanes(release)
+            calls = [lane.call("steps", n, self.state_every, release) for lane in self.lanes]
+            return _Chunk(first, n, calls)
+
+    def _fill(self) -> None:
+        with self._lock:  # a restart (`restart`) re-asks every chunk not yet joined
+            chunk = self._current = self._pending.popleft() if self._pending else self._ask()
+        assert chunk is not None  # nothing pending and nothing ready: the step made is asked
+        n = chunk.n
+        made_already = self.hold and self._made(chunk.calls)
+        t = time.monotonic()
+        answers = [self._answer_of(chunk.calls, k) for k in range(len(self.lanes))]
+        self.waited_s += time.monotonic() - t
+        with self._lock:
+            self._current = None
+        if self.restarts.remade:
+            self._check_remade()
+        if self.hold:  # the depth follows holding lanes (LaneMade carries their making time)
+            cored, self._making = had_cores(self._making, [made for made, _ in answers])
+            waited = not made_already and cored and not self.ranks_behind
+            self.depth = next_depth(self.depth, waited, self._least_depth, self._most_depth)
+            for k, (lane_made, _) in enumerate(answers):
+                if len(lane_made):
+                    self._last[k] = lane_made
+        self._confirm_changes()
+        # The next chunks are made while this one is joined and written (actors only).
+        asked = False
+        while not isinstance(self.lanes[0], LocalLane) and len(self._pending) < self.depth:
+            with self._lock:  # asked and pending at once, for a restart to find
+                ahead = self._ask()
+                if ahead is None:  # the mixing policy's next decision comes first
+                    break
+                self._pending.append(ahead)
+                asked = True
+        if self.hold and not asked:  # the depth falling back: the releases go alone
+            with self._lock:
+                self._release_alone()
+        for _, rejects in answers:
+            for reject in rejects:
+                if self.on_reject is not None:
+                    self.on_reject(reject)
+                else:
+                    self.rejects.append(reject)
+        made = [steps for steps, _ in answers]
+        per_lane = self.cfg.global_batch_size // self.cfg.lanes
+        if self.hold:  # what the steps count, summed over the lanes at once
+            # The steps keep their lanes' answers without the states (the producer keeps
+            # each step's nested state).
+            counted = tuple(replace(lane_made, states=[]) for lane_made in made)
+            m = min(len(lane_made) for lane_made in made)
+            rows = np.stack([lane_made.rows[:m] for lane_made in made], axis=1).tolist()
+            counts = [sum(lane_made.rows[:m] for lane_made in made),
+                      sum(lane_made.real_tokens[:m] for lane_made in made),
+                      sum(lane_made.tokens[:m] for lane_made in made),
+                      sum(lane_made.docs[:m] for lane_made in made)]  # fmt: skip
+        for j in range(n):
+            if any(len(steps) <= j for steps in made):
+                self.finished = True  # a lane has no step here: the sequence ends before it
+                return
+            if self.hold:
+                states = [lane_made.states[j] for lane_made in made]
+                step = self.step + len(self._ready)  # the steps before it are ready
+                if self.restarts.limit:
+                    with self._lock:
+                        self.restarts.keep(step + 1, states)
+                step_rows = tuple(rows[j])
+                laned = LanedStep(step, self.handles, step_rows, counted, j, self.key)
+                made_step: Any = (laned, [int(counts[0][j]), int(counts[1][j]), counts[2][j],
+                                          counts[3][j]])  # fmt: skip
+            else:
+                states = [steps[j][1] for steps in made]
+                batches = [self._batch(steps[j][0]) for steps in made]
+                step_rows = tuple(b.num_rows for b in batches)
+                made_step = join_parts(batches)
+            short = any(r < per_lane for r in step_rows)
+            if short and self.cfg.drop_last:
+                self.finished = True
+                return
+            state = None if any(s is None for s in states) else self._nest(states)
+            self._ready.append((made_step, state))
+            if short:
+                self.finished = True
+                return
+
+    def _made(self, asked: list) -> bool:
+        """Whether every lane (actors: holding lanes are) has answered `asked` already."""
+        import ray
+
+        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0)
+        return len(ready) == len(asked)
+
+    def _answer_of(self, calls: list, k: int) -> Any:
+        """Lane k's answer to its call in `calls` (a chunk's, a weight change's): asked again
+        of the lane's new actor when its process died and it was restarted (`restart`, which
+        replaces the call in `calls`). A lane that failed otherwise fails the feed, by name."""
+        while True:
+            lane = self.lanes[k]  # before the call: a restart replaces the call first
+            call = calls[k]
+            try:
+                return lane.get(call)
+            except Exception as e:
+                if not self.restart(k, lane, e):
+                    raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+
+    # -- a lane whose process died ------------------------------------------------------------
+
+    def restart(self, k: int, lane: Any, error: BaseException) -> bool:
+        """Lane k (`lane`, the one that failed with `error`) started again from its kept state
+        (lanes/restart.py), if its process died and it has restarts left: True once lane k is
+        another actor (this call's, or another thread's that met the death first).
+
+        The new actor is asked again, in order, what lane k was asked since that state; each
+        state it answers is checked against the one lane k gave for that step
+        (`_check_remade`). Ranks that met the dead actor ask the server for the new one
+        (`check_lane`), and their takes of steps it has yet to make again wait for them
+        (LaneWorker `_held`)."""
+        if not lane_died(error):
+            return self.lanes[k] is not lane
+        import ray
+
+        with self._lock:
+            if self.lanes[k] is not lane:
+                return True  # restarted already, by the thread that met it first
+            if not self.restarts.can_restart(k) or self._closed:
+                return False
+            step, state, expect = self.restarts.start_of(k)
+            args = list(self._args[k])
+            args[2] = state
+            new = ActorLane(self._start(tuple(args), expect=expect))
+            with contextlib.suppress(Exception):  # one taken for dead stays so (a partition)
+                ray.kill(lane.handle)  # type: ignore[union-attr]  # actors only (lane_died)
+            chunks = [c for c in (self._current, *self._pending) if c is not None]
+            self.restarts.ask_again(k, new, step, state, chunks, self._asked,
+                                    steps_per_call(len(self.lanes)), self.state_every,
+                                    self._changes)  # fmt: skip
+            self.lanes[k] = new
+            self.handles[k] = new.handle
+            self._processes[k] = new.call("process")
+            self._making[k] = (0.0, 0.0)
+            self._asking = None  # the summaries asked of the dead actor never come
+            nth = self.restarts.logged(k, step, self._asked - step, type(error).__name__)
+        print(f"tokenmill: lane {k} of {len(self.lanes)} died ({type(error).__name__}); "
+              f"started again from step {step} (restart {nth} of {self.restarts.limit})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return True
+
+    @property
+    def restarted(self) -> list[dict]:
+        """Each restart (metrics `lanes_restarted`): lanes/restart.py `Restarts.log`."""
+        return self.restarts.log
+
+    def check_lane(self, k: int, timeout_s: float = 10.0) -> None:
+        """A rank met lane k's actor dead (wire/lanes.py LaneGone): restarted here if it is
+        (the producer may be waiting for room, not for the lane, and not meet it)."""
+        import ray
+
+        lane = self.lanes[k]
+        if not isinstance(lane, ActorLane):
+            return  # in this process: nothing dies apart
+        ping = lane.handle.process.options(concurrency_group=TAKE_GROUP).remote()
+        ready, _ = ray.wait([ping], timeout=timeout_s)
+        if not ready:
+            return  # busy or starting: the rank asks again
+        try:
+            ray.get(ping)
+        except Exception as e:
+            self.restart(k, lane, e)
+
+    def _check_remade(self) -> None:
+        """The answers of the steps a restarted lane made again, as they come: a lane that
+        made one otherwise than before (LaneWorker `expect`) fails the feed."""
+        with self._lock:
+            remade = self.restarts.remade
+            ready = [r for r in remade if r[1].ready(r[2])]
+            self.restarts.remade = [r for r in remade if r not in ready]
+        for k, lane, call in ready:
+            try:
+                lane.get(call)
+            except Exception as e:
+                if self.restart(k, lane, e):
+                    continue
+                raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+
+    def _confirm_changes(self) -> None:
+        """Weight changes set without waiting (`set_weights(wait=False)`) that every lane has
+        answered: each must have taken it at its step; a lane that failed fails the feed."""
+        while self._changes:
+            step, calls = self._changes[0]
+            if not all(lane.ready(c) for lane, c in zip(self.lanes, calls, strict=True)):
+                return
+            for k in range(len(calls)):
+                got = self._answer_of(calls, k)
+                assert got == step, (got, step)
+            self._changes.pop(0)
+
+    def lane_view(self) -> list[dict]:
+        """Each lane: its process (pid, host; None until it has said), how many times it was
+        started again (`restart`) and, when the lanes hold the rows, the steps it held when it
+        last answered (the window's steps, those not yet released, and those made ahead) and
+        its seconds making steps by then, wall and CPU (`making_s`, `making_cpu_s`)."""
+        out = []
+        for k, (lane, call) in enumerate(zip(self.lanes, self._processes, strict=True)):
+            where = {"pid": None, "host": None}
+            if lane.ready(call):
+                with contextlib.suppress(Exception):  # a lane that died says nothing
+                    where = lane.get(call)
+            last = self._last[k] if self.hold else None
+            out.append({"lane": k, **where, "restarts": self.restarts.count(k),
+                        "held_steps": last and last.held, "making_s": last and last.making_s,
+                        "making_cpu_s": last and last.making_cpu_s})  # fmt: skip
+        return out
+
+    def _batch(self, made) -> pa.RecordBatch:
+        return from_ipc(made) if isinstance(made, bytes) else made
+
+    def _nest(self, states: list[Kept]) -> Nested:
+        return nest_kept(STATE_VERSION, self.config_hash, states)
+
+    def _count(self, receipts: list[Receipt]) -> None:
+        """What was served (a step's parts): rows, tokens, and per stream its tokens and
+        documents started."""
+        for r in receipts:
+            self._add(r.rows, r.real_tokens, np.asarray(r.tokens, dtype=np.int64),
+                      np.asarray(r.docs, dtype=np.int64))  # fmt: skip
+
+    def _add(self, rows: int, real_tokens: int, tokens: np.ndarray, docs: np.ndarray) -> None:
+        """A step served: its rows, real tokens, and per stream its tokens and documents
+        started."""
+        self.first_step_at = self.first_step_at or time.monotonic()
+        self.rows += rows
+        self.real_tokens += real_tokens
+        self.tokens += tokens
+        self.docs_emitted += docs
+
+    def get_state(self) -> dict:
+        """The state after the last step handed out: the lanes' states at that step, nested
+        and sealed. Lanes make states only every `state_every` steps (they run ahead)."""
+        return self.kept_state().unpack()
+
+    def kept_state(self) -> Nested:
+        """`get_state`, kept (the batch server keeps one for every recent step)."""
+        if self._state is None or self._state.step != self.step:
+            raise ValueError(
+                f"a laned feed has states every {self.state_every} steps (state_every), not at "
+                f"step {self.step}"
+            )
+        return self._state
+
+    def set_weights(self, weights: dict[str, float], effective_step: int | None = None,
+                    source: str = "api", wait: bool = True) -> int:  # fmt: skip
+        """New weights in every lane from one global step: `effective_step`, or the first
+        step no lane has begun if that is later (lanes make steps ahead of what is handed
+        out). Never a step already handed out. Returns the step. `wait` False (the batch
+        server, under its lock): the lanes' answers, which queue behind the chunks asked
+        ahead, are checked as they come (`_fill`), not waited for here."""
+        step = self._asked if effective_step is None else int(effective_step)
+        if step < self.step:
+            raise ValueError(
+                f"effective step {step} is already produced (next step is {self.step})"
+            )
+        normalize_weights(weights, self.names)  # refused here, before any lane changes
+        with self._lock:  # the producer thread asks for chunks (`_ask`) meanwhile
+            step = max(step, self._asked)
+            calls = [lane.call("set_weights", weights, step, source) for lane in self.lanes]
+            self.mixer.schedule(step, weights, source=source)
+            # After the steps asked so far, for a restart to send again.
+            self.restarts.note(Sent(self._asked, step, dict(weights), source, calls))
+            if not wait:
+                self._changes.append((step, calls))
+        if wait:
+            got = [self._answer_of(calls, k) for k in range(len(calls))]
+            assert set(got) == {step}, got
+        with self._lock:
+            if step == self.step == self._asked and self._state is not None:
+                # Before its step is begun (the mixing policy's decisions): the state at it
+                # holds the change, as a single feed's would, so a replay from it agrees.
+                states = [self._call_lane(k, "state") for k in range(len(self.lanes))]
+                self._state = self._nest(states)
+                self.restarts.keep(self.step, states)
+        return step
+
+    def _call_lane(self, k: int, method: str) -> Any:
+        """Lane k's answer to `method` (its state, its summary), asked again of its new actor
+        if it died meanwhile."""
+        while True:
+            lane = self.lanes[k]
+            try:
+                return lane.get(lane.call(method))
+            except Exception as e:
+                if not self.restart(k, lane, e):
+                    raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True  # no lane is started again from here on
+        for lane in self.lanes:
+            lane.kill()
+
+    def stop_reading(self) -> None:
+        """Stop the lanes' reads and making, and keep the lanes (and the rows they hold) until
+        `close`: a skip replaced this feed while ranks may still fetch its steps. A lane that
+        dies from here on is not started again (it would make this feed's steps again)."""
+        with self._lock:
+            self._closed = True
+        for lane in self.lanes:  # queued behind the chunks asked: not waited for
+            with contextlib.suppress(Exception):  # a dead lane reads nothing
+                lane.call("close")
+
+    # -- figures ----------------------------------------------------------------------------
+
+    def totals(self) -> RunTotals:
+        """What was served so far (since step 0, across resumes)."""
+        read = joined_read(self.names, self._lane_summaries())
+        return RunTotals(
+            steps=self.step,
+            rows=self.rows,
+            real_tokens=self.real_tokens,
+            seq_len=self.cfg.seq_len,
+            streams={
+                n: {
+                    "tokens": int(self.tokens[i]),
+                    "docs": int(self.docs_emitted[i]),
+                    "skipped": read[n].skipped,
+                }
+                for i, n in enumerate(self.names)
+            },  # fmt: skip
+        )
+
+    def _lane_summaries(self) -> list[tuple[RunSummary, dict[str, list[int]]]]:
+        """The lanes' summaries: asked for now, or (`wait_for_figures` False) the last ones
+        the lanes gave, with the next asked for in the background; the first call waits."""
+        if self.wait_for_figures or self._summaries is None:
+            self._summaries = [self._call_lane(k, "summary") for k in range(len(self.lanes))]
+            return self._summaries
+        with self._lock:  # a restart drops what was asked of a dead actor
+            asking, lanes = self._asking, list(self.lanes)
+        if asking is not None and all(lane.ready(a) for lane, a in zip(lanes, asking, strict=True)):
+            with contextlib.suppress(Exception):  # a lane died: the last ones stand
+                self._summaries = [lane.get(a) for lane, a in zip(lanes, asking, strict=True)]
+            asking = None
+        if asking is None:
+            asking = [lane.call("summary") for lane in lanes]
+        with self._lock:
+            if self.lanes == lanes:
+                self._asking = asking
+        return self._summaries
+
+    def summary(self) -> RunSummary:
+        """The run's summary: what was served counted here, what was read summed over the
+        lanes (they read ahead of what was served), the mixture as lane 0 records it (every
+        lane holds the same changes)."""
+        parts = self._lane_summaries()
+        with self._lock:  # one reading of what was served (the producer thread adds to it)
+            step, rows, real = self.step, self.rows, self.real_tokens
+            tokens, docs = self.tokens.copy(), self.docs_emitted.copy()
+        return joined_summary(self.names, parts, self.cfg.seq_len, self.cfg.global_batch_size,
+                              step, rows, real, tokens, docs)  # fmt: skip
