@@ -399,6 +399,11 @@ class ServiceConfig(_Frozen):
     # dies (killed, its node lost), from its state at the oldest step it holds; it makes the
     # same steps again and the ranks wait for them. Past it, the service fails naming the lane.
     lane_restarts: int = Field(default=3, ge=0, le=1000)
+    # How long an actor of the service (the batch server, a lane, a lane started again) may
+    # take to be placed on a node and started before the run fails naming it, what it asks
+    # (`resources`) and what the nodes lack. None: wait for ever (an autoscaler that takes
+    # longer to add a node). A note says what it waits for after 10 s.
+    place_timeout_s: float | None = Field(default=600.0, gt=0)
 
 
 class Config(_Frozen):

@@ -163,9 +163,13 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
 
 
 def connect(
-    address: str | None = None, object_store_memory: int | None = None, num_cpus: int | None = None
+    address: str | None = None,
+    object_store_memory: int | None = None,
+    num_cpus: int | None = None,
+    resources: dict[str, float] | None = None,
 ) -> bool:
-    """Join the cluster the user named, or start a private local Ray. Once per process.
+    """Join the cluster the user named, or start a private local Ray (with custom `resources`,
+    if given). Once per process.
 
     Returns True if this call started a local Ray (the caller shuts it down with `shutdown`)."""
     import ray
@@ -205,6 +209,7 @@ def connect(
         num_cpus=num_cpus or usable_cpus(),
         object_store_memory=object_store_memory,
         include_dashboard=False,
+        resources=resources,
         **kwargs,
     )
     return True

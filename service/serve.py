@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.config import REVEAL_SECRETS, Config
+from pipeline.lanes.placing import wait_placed
 from service.records import (
     ServiceExists,
     alive,
@@ -73,11 +74,23 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
         max_restarts=0,
     )(BatchServer)
     placement = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
+    since = time.monotonic()
     actor = actor_class.options(name=name, namespace=NAMESPACE, **placement).remote(
         cfg.model_dump(mode="json", context=REVEAL_SECRETS), resume, prefetch, 10_000, cfg.service.rank_timeout_s,
         allow_config_change, pool, leave_out,
     )  # fmt: skip
-    ray.get(actor.status.remote(), timeout=120)
+    # Placed and started (its lanes too): a server no node can hold fails naming what it
+    # asks, instead of waiting for ever. Its lanes are placed once it runs, each within the
+    # same limit: the server's own wait allows both.
+    limit = cfg.service.place_timeout_s
+    limit = limit * 2 if limit is not None and cfg.lanes > 1 else limit
+    first = actor.status.remote()
+    try:
+        wait_placed(first, f"the batch server {name!r}", cfg.service.resources, limit, since)
+        ray.get(first)
+    except BaseException:
+        ray.kill(actor)  # a server left waiting to be placed would hold its name
+        raise
     return actor
 
 

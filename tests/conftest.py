@@ -41,6 +41,9 @@ def write_jsonl(path: Path, records, field: str = "text") -> Path:
     return path
 
 
+TEST_SLOTS = 2  # `tokenmill_test_slot` resources of the session's cluster (test_placing.py)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real local Ray, shared by the session, with a capped object store."""
@@ -48,7 +51,9 @@ def ray_cluster():
 
     from service.cluster import connect
 
-    started = connect(object_store_memory=256 << 20, num_cpus=2)
+    # TEST_SLOTS of a custom resource, for the tests that place actors by resources.
+    started = connect(object_store_memory=256 << 20, num_cpus=2,
+                      resources={"tokenmill_test_slot": TEST_SLOTS})  # fmt: skip
     yield ray
     from trainer.feed import stop_beats
 

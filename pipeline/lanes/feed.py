@@ -29,6 +29,7 @@ from pipeline.lanes.depth import (
 )
 from pipeline.lanes.figures import joined_read, joined_summary
 from pipeline.lanes.handles import ActorLane, LocalLane, lane_died
+from pipeline.lanes.placing import NotPlaced
 from pipeline.lanes.restart import Restarts, Sent
 from pipeline.lanes.steps import LanedStep, LaneError, LaneMade, Receipt, Writes, served_counts
 from pipeline.lanes.worker import LaneWorker
@@ -125,7 +126,7 @@ class LanedFeed:
         if local:
             self.lanes = [LocalLane(LaneWorker(*a)) for a in self._args]
         else:
-            self.lanes = [ActorLane(self._start(a)) for a in self._args]
+            self.lanes = [self._start(k, a) for k, a in enumerate(self._args)]
         # One list shared by every step it makes (a restarted lane's actor replaces its
         # entry), and the key a rank's reply names it by (`where`): unique to this feed's
         # actors, so a skip's new lanes have another.
@@ -137,9 +138,7 @@ class LanedFeed:
         self.restarts = Restarts(restarts if self.hold and state_every == 1 else 0)
         self._closed = False  # closed, or replaced by a skip: no restart
         self.key = uuid.uuid4().hex
-        # Where each lane runs (asked now, read once answered) and the steps it held when it
-        # last answered (holding lanes): metrics `lanes`.
-        self._processes = [lane.call("process") for lane in self.lanes]
+        # The steps each lane held when it last answered (holding lanes): metrics `lanes`.
         self._last: list[Receipt | LaneMade] = [
             Receipt(0, 0, [], [])
         ] * K  # each lane's latest receipt
@@ -194,14 +193,19 @@ class LanedFeed:
         # The state after the last step handed out; at the start, the lanes' own.
         self._state: Nested | None = None
         if state_every:
-            states = [lane.get(lane.call("state")) for lane in self.lanes]
+            try:
+                states = [self._call_lane(k, "state") for k in range(K)]
+            except BaseException:
+                self.close()  # no lane is left waiting to be placed, or holding its reads
+                raise
             self._state = self._nest(states)
             self.restarts.keep(self.step, states)
         self.first_step_at: float | None = None
 
-    def _start(self, args: tuple, expect: dict[int, str] | None = None):
-        """A lane actor, with `args` (LaneWorker's), and the states it is to make (`expect`,
-        a restart's)."""
+    def _start(self, k: int, args: tuple, expect: dict[int, str] | None = None) -> ActorLane:
+        """Lane k's actor, with `args` (LaneWorker's), and the states it is to make (`expect`,
+        a restart's). Its first call that waits for an answer waits for it to be placed and
+        started, up to `service.place_timeout_s` (lanes/placing.py)."""
         import ray
 
         # Holding lanes hand out rows on threads of their own (`take`), beside the one
@@ -212,7 +216,9 @@ class LanedFeed:
         )
         resources = self.cfg.service.resources
         opts = {"resources": dict(resources)} if resources else {}
-        return actor.options(**opts).remote(*args, expect=expect)
+        handle = actor.options(**opts).remote(*args, expect=expect)
+        return ActorLane(handle, f"lane {k} of {len(self._args)}", resources,
+                         self.cfg.service.place_timeout_s)  # fmt: skip
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -391,7 +397,7 @@ class LanedFeed:
                 return lane.get(call)
             except Exception as e:
                 if not self.restart(k, lane, e):
-                    raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+                    raise self._failure(k, e) from e
 
     # -- a lane whose process died ------------------------------------------------------------
 
@@ -417,7 +423,7 @@ class LanedFeed:
             step, state, expect = self.restarts.start_of(k)
             args = list(self._args[k])
             args[2] = state
-            new = ActorLane(self._start(tuple(args), expect=expect))
+            new = self._start(k, tuple(args), expect=expect)
             with contextlib.suppress(Exception):  # one taken for dead stays so (a partition)
                 ray.kill(lane.handle)  # type: ignore[union-attr]  # actors only (lane_died)
             chunks = [c for c in (self._current, *self._pending) if c is not None]
@@ -426,7 +432,6 @@ class LanedFeed:
                                     self._changes)  # fmt: skip
             self.lanes[k] = new
             self.handles[k] = new.handle
-            self._processes[k] = new.call("process")
             self._making[k] = (0.0, 0.0)
             self._asking = None  # the summaries asked of the dead actor never come
             nth = self.restarts.logged(k, step, self._asked - step, type(error).__name__)
@@ -470,7 +475,7 @@ class LanedFeed:
             except Exception as e:
                 if self.restart(k, lane, e):
                     continue
-                raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+                raise self._failure(k, e) from e
 
     def _confirm_changes(self) -> None:
         """Weight changes set without waiting (`set_weights(wait=False)`) that every lane has
@@ -490,11 +495,11 @@ class LanedFeed:
         last answered (the window's steps, those not yet released, and those made ahead) and
         its seconds making steps by then, wall and CPU (`making_s`, `making_cpu_s`)."""
         out = []
-        for k, (lane, call) in enumerate(zip(self.lanes, self._processes, strict=True)):
+        for k, lane in enumerate(self.lanes):
             where = {"pid": None, "host": None}
-            if lane.ready(call):
+            if lane.ready(lane.where):
                 with contextlib.suppress(Exception):  # a lane that died says nothing
-                    where = lane.get(call)
+                    where = lane.get(lane.where)
             last = self._last[k] if self.hold else None
             out.append({"lane": k, **where, "restarts": self.restarts.count(k),
                         "held_steps": last and last.held, "making_s": last and last.making_s,
@@ -570,6 +575,12 @@ class LanedFeed:
                 self.restarts.keep(self.step, states)
         return step
 
+    def _failure(self, k: int, error: BaseException) -> LaneError:
+        """Lane k's failure, named (one not placed names itself)."""
+        if isinstance(error, NotPlaced):
+            return LaneError(str(error))
+        return LaneError(f"lane {k} of {len(self.lanes)} failed: {error}")
+
     def _call_lane(self, k: int, method: str) -> Any:
         """Lane k's answer to `method` (its state, its summary), asked again of its new actor
         if it died meanwhile."""
@@ -579,7 +590,7 @@ class LanedFeed:
                 return lane.get(lane.call(method))
             except Exception as e:
                 if not self.restart(k, lane, e):
-                    raise LaneError(f"lane {k} of {len(self.lanes)} failed: {e}") from e
+                    raise self._failure(k, e) from e
 
     def close(self) -> None:
         with self._lock:

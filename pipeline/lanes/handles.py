@@ -5,8 +5,10 @@ process is gone (`lane_died`)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any
 
+from pipeline.lanes.placing import wait_placed
 from pipeline.lanes.worker import LaneWorker
 
 
@@ -15,6 +17,7 @@ class LocalLane:
 
     def __init__(self, worker: LaneWorker):
         self.worker = worker
+        self.where = worker.process()  # its pid and host (metrics `lanes`)
 
     def call(self, method: str, *args) -> Any:
         return getattr(self.worker, method)(*args)
@@ -30,10 +33,20 @@ class LocalLane:
 
 
 class ActorLane:
-    """A lane in a Ray actor: calls answer with object refs."""
+    """A lane in a Ray actor: calls answer with object refs. Its first answer is asked at
+    once (`where`: its pid and host); until it comes, `get` waits for it up to
+    `place_timeout_s` from now (placing.py `wait_placed`), so that a lane no node can hold
+    fails the run naming it (`what`) and what it asks (`resources`) instead of waiting for
+    ever."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, what: str = "a lane", resources: dict[str, float] | None = None,
+                 place_timeout_s: float | None = None):  # fmt: skip
         self.handle = handle
+        self.where = handle.process.remote()
+        self.what, self.resources = what, dict(resources or {})
+        self.place_timeout_s = place_timeout_s
+        self.since = time.monotonic()
+        self.placed = False  # set once `where` was answered (by any thread: a flag only)
 
     def call(self, method: str, *args) -> Any:
         return getattr(self.handle, method).remote(*args)
@@ -41,6 +54,9 @@ class ActorLane:
     def get(self, ref) -> Any:
         import ray
 
+        if not self.placed:
+            wait_placed(self.where, self.what, self.resources, self.place_timeout_s, self.since)
+            self.placed = True
         return ray.get(ref)
 
     def ready(self, ref) -> bool:
@@ -51,8 +67,9 @@ class ActorLane:
     def kill(self) -> None:
         import ray
 
-        with contextlib.suppress(Exception):  # a dead lane has nothing left to close
-            ray.get(self.handle.close.remote(), timeout=30)
+        if self.placed or self.ready(self.where):
+            with contextlib.suppress(Exception):  # a dead lane has nothing left to close
+                ray.get(self.handle.close.remote(), timeout=30)
         ray.kill(self.handle)
 
 

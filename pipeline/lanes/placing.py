@@ -1,0 +1,73 @@
+"""Waiting for an actor of the service (a lane, the batch server) to be placed and started,
+for a bounded time (`service.place_timeout_s`), saying what it waits for.
+
+Ray waits for ever for an actor whose resources no node has (`service.resources` naming a
+label no node carries, or one that went with its node): an export with such lanes used to
+wait silently until killed. The wait is for the actor's first answer, so it covers its
+placement and its constructor (a lane's feed lists and opens its files): after PLACE_NOTE_S a
+line says what it waits for, and at the deadline the run fails naming the actor, what it
+asks and what the nodes lack. Why not fail at once when no node has the resources: an
+autoscaler (KubeRay, `ray up`) adds nodes for pending actors, and nothing tells the service
+whether one runs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+PLACE_NOTE_S = 10.0  # an actor not started by then is said to wait, and for what
+# Ray's own resources, left out when naming the labels the nodes carry
+BUILT_IN = ("CPU", "GPU", "memory", "object_store_memory", "node:", "accelerator_type:")
+
+
+class NotPlaced(RuntimeError):
+    """An actor of the service was not placed and started within `service.place_timeout_s`."""
+
+
+def why_waiting(resources: dict[str, float]) -> str:
+    """What an actor asking `resources` (service.resources; num_cpus 0) waits for: a node that
+    has them, or one of those that have them to free them, or (none asked) its own start."""
+    import ray
+
+    if not resources:
+        return ("it asks no resources (num_cpus 0), so its process is still starting "
+                "(a lane's feed lists and opens its files)")  # fmt: skip
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    fits = [n for n in nodes if all(n["Resources"].get(r, 0.0) >= q for r, q in resources.items())]
+    if not fits:
+        labels = sorted({r for n in nodes for r in n["Resources"] if not r.startswith(BUILT_IN)})
+        return (f"it asks {resources} (service.resources) and no node of the cluster has "
+                f"that much (the nodes' own resources: {labels or 'none'}); start a node with "
+                "them (`ray start --resources`), or change service.resources")  # fmt: skip
+    free = ray.available_resources()
+    short = {r: free.get(r, 0.0) for r, q in resources.items() if free.get(r, 0.0) < q}
+    return (f"it asks {resources} (service.resources): {len(fits)} node(s) have that much, "
+            f"but other actors hold it (free now: {short or 'enough; it is starting'})")  # fmt: skip
+
+
+def wait_placed(first: Any, what: str, resources: dict[str, float], timeout_s: float | None,
+                since: float) -> None:  # fmt: skip
+    """Waits for `first` (an ObjectRef: the actor's first call, answered once it was placed
+    and its constructor ran; an error answered counts) up to `timeout_s` from `since`
+    (time.monotonic, when the actor was asked for). Says on stderr what `what` (e.g. "lane 1
+    of 4") waits for once PLACE_NOTE_S have passed; raises NotPlaced at the deadline."""
+    import ray
+
+    noted = False
+    while True:
+        now = time.monotonic()
+        wait = PLACE_NOTE_S if noted else max(0.0, since + PLACE_NOTE_S - now)
+        if timeout_s is not None:
+            wait = min(wait, max(0.0, since + timeout_s - now))
+        if ray.wait([first], timeout=wait)[0]:
+            return
+        if timeout_s is not None and time.monotonic() >= since + timeout_s:
+            raise NotPlaced(
+                f"{what} was not placed and started within {timeout_s:g} s "
+                f"(service.place_timeout_s): {why_waiting(resources)}"
+            )
+        if not noted:
+            print(f"tokenmill: {what} has not started after {PLACE_NOTE_S:g} s: "
+                  f"{why_waiting(resources)}", file=sys.stderr, flush=True)  # fmt: skip
+            noted = True
