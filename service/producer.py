@@ -105,6 +105,7 @@ class Producer:
                         self.state = PAUSED if self.paused else RUNNING
                         if isinstance(self.feed, LanedFeed):  # the ranks set the pace now
                             self.feed.ranks_behind = True  # until one waits (server.get)
+                            self.feed.check_placed()  # a lane a rank started again
                         self.cond.wait(timeout=1.0)
                     if self._stop:
                         return

@@ -80,13 +80,16 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
         allow_config_change, pool, leave_out,
     )  # fmt: skip
     # Placed and started (its lanes too): a server no node can hold fails naming what it
-    # asks, instead of waiting for ever. Its lanes are placed once it runs, each within the
-    # same limit: the server's own wait allows both.
+    # asks, instead of waiting for ever. Its lanes are placed while it starts, each within the
+    # same limit: the server's own wait allows both (twice service.place_timeout_s).
     limit = cfg.service.place_timeout_s
-    limit = limit * 2 if limit is not None and cfg.lanes > 1 else limit
+    whence = "service.place_timeout_s"
+    if limit is not None and cfg.lanes > 1:
+        limit, whence = limit * 2, f"twice service.place_timeout_s {limit:g} s: it, then its lanes"
     first = actor.status.remote()
     try:
-        wait_placed(first, f"the batch server {name!r}", cfg.service.resources, limit, since)
+        wait_placed(first, f"the batch server {name!r}", cfg.service.resources, limit, since,
+                    whence)  # fmt: skip
         ray.get(first)
     except BaseException:
         ray.kill(actor)  # a server left waiting to be placed would hold its name

@@ -65,12 +65,15 @@ def test_a_batch_server_no_node_can_hold_fails_naming_it_and_frees_its_name(stre
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("who", ["producer", "rank"])
 def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
-    streams, ray_cluster
+    streams, ray_cluster, who
 ):
     """Lanes ask one of the cluster's TEST_SLOTS each. Lane 1 is killed; before the service
     starts it again, another actor takes the slot it freed: the new lane cannot be placed,
-    and the service fails naming it and what holds its slot."""
+    and the service fails naming it and what holds its slot. Whoever meets the death first
+    starts it again: the producer, asking the lanes for steps, or a rank whose take failed
+    while the producer waits for the ranks (a full window) and asks the lanes nothing."""
     import ray
 
     from service.server import BatchServer
@@ -85,8 +88,11 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
     blocker = None
     try:
         assert resolved(srv, srv.get(0, 1, 0, 30.0), 0, 1).runs
-        _kill(srv.feed.lanes[1].handle)
         deadline = time.time() + 30
+        while srv.producer.window.room():  # the producer waits for the rank
+            assert time.time() < deadline, "the window did not fill"
+            time.sleep(0.05)
+        _kill(srv.feed.lanes[1].handle)
         while ray.available_resources().get("tokenmill_test_slot", 0) < 1:
             assert time.time() < deadline, "the killed lane's slot was not freed"
             time.sleep(0.1)
@@ -98,13 +104,22 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
 
         blocker = Blocker.remote()  # type: ignore[attr-defined]
         assert ray.get(blocker.ping.remote(), timeout=30)
-        step, deadline = 1, time.time() + 60
-        with pytest.raises(RuntimeError, match="lane 1 of 2 was not placed and started within 3 s"):
-            while time.time() < deadline:
-                if (r := srv.get(0, 1, step, 2.0)).ready:
-                    step += r.steps
+        failed = "lane 1 of 2 was not placed and started within 3 s"
+        if who == "producer":
+            step, deadline = 1, time.time() + 60
+            with pytest.raises(RuntimeError, match=failed):
+                while time.time() < deadline:
+                    if (r := srv.get(0, 1, step, 2.0)).ready:
+                        step += r.steps
+        else:
+            srv.lane_gone(srv.feed.key, 1)  # what a rank's client asks on LaneGone
+            assert [r["lane"] for r in srv.feed.restarted] == [1]
+            deadline = time.time() + 30
+            while not srv.status()["error"]:
+                assert time.time() < deadline, "the unplaced lane did not fail the service"
+                time.sleep(0.2)
         error = srv.status()["error"]
-        assert "lane 1 of 2 was not placed" in error and "other actors hold it" in error
+        assert failed in error and "free now: it waits for the actors that hold them" in error
         assert [r["lane"] for r in srv.feed.restarted] == [1]
     finally:
         srv.close()

@@ -149,7 +149,7 @@ def split_run(run: pa.RecordBatch) -> list[pa.RecordBatch]:
 
 class LaneActors:
     """A rank's lookup of lane actors by their feed's key (`StepReply.lanes` names lanes by
-    key; pipeline/lanes.py `where`): asked of the server once per key (`lookup`, the server's
+    key; pipeline/lanes/steps.py `where`): asked of the server once per key (`lookup`, the server's
     `lane_handles`), then kept. Only the latest few are kept: a skip's replaced lanes are not
     asked for again once their steps are taken."""
 

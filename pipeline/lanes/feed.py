@@ -29,7 +29,7 @@ from pipeline.lanes.depth import (
 )
 from pipeline.lanes.figures import joined_read, joined_summary
 from pipeline.lanes.handles import ActorLane, LocalLane, lane_died
-from pipeline.lanes.placing import NotPlaced
+from pipeline.lanes.placing import NotPlaced, not_placed
 from pipeline.lanes.restart import Restarts, Sent
 from pipeline.lanes.steps import LanedStep, LaneError, LaneMade, Receipt, Writes, served_counts
 from pipeline.lanes.worker import LaneWorker
@@ -126,7 +126,14 @@ class LanedFeed:
         if local:
             self.lanes = [LocalLane(LaneWorker(*a)) for a in self._args]
         else:
-            self.lanes = [self._start(k, a) for k, a in enumerate(self._args)]
+            self.lanes = []
+            try:
+                for k, a in enumerate(self._args):
+                    self.lanes.append(self._start(k, a))
+            except BaseException:
+                for lane in self.lanes:  # none left waiting to be placed
+                    lane.kill()
+                raise
         # One list shared by every step it makes (a restarted lane's actor replaces its
         # entry), and the key a rank's reply names it by (`where`): unique to this feed's
         # actors, so a skip's new lanes have another.
@@ -461,6 +468,16 @@ class LanedFeed:
             ray.get(ping)
         except Exception as e:
             self.restart(k, lane, e)
+
+    def check_placed(self) -> None:
+        """Fails the feed (LaneError) if a lane's actor was not placed and started within
+        `service.place_timeout_s`: one a rank's call started again (`check_lane`) while the
+        producer waits for room, not for the lanes (the batch server's producer asks this
+        while it waits)."""
+        for lane in self.lanes:
+            if isinstance(lane, ActorLane) and lane.overdue():
+                assert lane.place_timeout_s is not None  # overdue says so
+                raise LaneError(str(not_placed(lane.what, lane.resources, lane.place_timeout_s)))
 
     def _check_remade(self) -> None:
         """The answers of the steps a restarted lane made again, as they come: a lane that

@@ -51,6 +51,17 @@ class ActorLane:
     def call(self, method: str, *args) -> Any:
         return getattr(self.handle, method).remote(*args)
 
+    def overdue(self) -> bool:
+        """Not placed and started within `place_timeout_s` (asked without waiting: a lane a
+        rank's call started again, which nothing else may ask while the ranks set the pace)."""
+        if self.placed:
+            return False
+        if self.ready(self.where):
+            self.placed = True
+            return False
+        timeout_s = self.place_timeout_s
+        return timeout_s is not None and time.monotonic() >= self.since + timeout_s
+
     def get(self, ref) -> Any:
         import ray
 

@@ -30,9 +30,10 @@ def why_waiting(resources: dict[str, float]) -> str:
     has them, or one of those that have them to free them, or (none asked) its own start."""
     import ray
 
+    starting = ("a batch server starts its lanes, a lane's feed lists and opens its files, "
+                "and a busy machine starts processes slowly")  # fmt: skip
     if not resources:
-        return ("it asks no resources (num_cpus 0), so its process is still starting "
-                "(a lane's feed lists and opens its files)")  # fmt: skip
+        return f"it asks no resources (num_cpus 0), so it is still starting ({starting})"
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     fits = [n for n in nodes if all(n["Resources"].get(r, 0.0) >= q for r, q in resources.items())]
     if not fits:
@@ -42,16 +43,31 @@ def why_waiting(resources: dict[str, float]) -> str:
                 "them (`ray start --resources`), or change service.resources")  # fmt: skip
     free = ray.available_resources()
     short = {r: free.get(r, 0.0) for r, q in resources.items() if free.get(r, 0.0) < q}
-    return (f"it asks {resources} (service.resources): {len(fits)} node(s) have that much, "
-            f"but other actors hold it (free now: {short or 'enough; it is starting'})")  # fmt: skip
+    if not short:
+        return (f"it asks {resources} (service.resources), which the nodes have free: it is "
+                f"still starting ({starting})")  # fmt: skip
+    # The actor may hold them itself, placed and still starting: Ray does not say which.
+    return (f"it asks {resources} (service.resources), which {len(fits)} node(s) have, "
+            f"{short} free now: it waits for the actors that hold them to end, or holds them "
+            "itself and is still starting")  # fmt: skip
+
+
+def not_placed(what: str, resources: dict[str, float], timeout_s: float,
+               limit: str = "service.place_timeout_s") -> NotPlaced:  # fmt: skip
+    """The error of `what`, not placed and started within `timeout_s` (`limit` says whence)."""
+    return NotPlaced(
+        f"{what} was not placed and started within {timeout_s:g} s ({limit}): "
+        f"{why_waiting(resources)}"
+    )
 
 
 def wait_placed(first: Any, what: str, resources: dict[str, float], timeout_s: float | None,
-                since: float) -> None:  # fmt: skip
+                since: float, limit: str = "service.place_timeout_s") -> None:  # fmt: skip
     """Waits for `first` (an ObjectRef: the actor's first call, answered once it was placed
     and its constructor ran; an error answered counts) up to `timeout_s` from `since`
     (time.monotonic, when the actor was asked for). Says on stderr what `what` (e.g. "lane 1
-    of 4") waits for once PLACE_NOTE_S have passed; raises NotPlaced at the deadline."""
+    of 4") waits for once PLACE_NOTE_S have passed (an actor's stderr goes to Ray's logs);
+    raises NotPlaced at the deadline, saying whence it came (`limit`)."""
     import ray
 
     noted = False
@@ -63,10 +79,7 @@ def wait_placed(first: Any, what: str, resources: dict[str, float], timeout_s: f
         if ray.wait([first], timeout=wait)[0]:
             return
         if timeout_s is not None and time.monotonic() >= since + timeout_s:
-            raise NotPlaced(
-                f"{what} was not placed and started within {timeout_s:g} s "
-                f"(service.place_timeout_s): {why_waiting(resources)}"
-            )
+            raise not_placed(what, resources, timeout_s, limit)
         if not noted:
             print(f"tokenmill: {what} has not started after {PLACE_NOTE_S:g} s: "
                   f"{why_waiting(resources)}", file=sys.stderr, flush=True)  # fmt: skip
