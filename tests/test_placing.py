@@ -114,6 +114,9 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
         else:
             srv.lane_gone(srv.feed.key, 1)  # what a rank's client asks on LaneGone
             assert [r["lane"] for r in srv.feed.restarted] == [1]
+            view = srv.feed.lane_view()  # metrics `lanes`: lane 1 waits to be placed
+            assert view[1]["pid"] is None and view[1]["waiting_s"] >= 0
+            assert view[0]["pid"] is not None and view[0]["waiting_s"] is None
             deadline = time.time() + 30
             while not srv.status()["error"]:
                 assert time.time() < deadline, "the unplaced lane did not fail the service"

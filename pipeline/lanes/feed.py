@@ -507,18 +507,25 @@ class LanedFeed:
             self._changes.pop(0)
 
     def lane_view(self) -> list[dict]:
-        """Each lane: its process (pid, host; None until it has said), how many times it was
+        """Each lane: its process (pid, host; None until it has said, and `waiting_s` the
+        seconds it has waited to be placed and started), how many times it was
         started again (`restart`) and, when the lanes hold the rows, the steps it held when it
         last answered (the window's steps, those not yet released, and those made ahead) and
         its seconds making steps by then, wall and CPU (`making_s`, `making_cpu_s`)."""
         out = []
+        now = time.monotonic()
         for k, lane in enumerate(self.lanes):
             where = {"pid": None, "host": None}
-            if lane.ready(lane.where):
+            started = lane.ready(lane.where)
+            if started:
                 with contextlib.suppress(Exception):  # a lane that died says nothing
                     where = lane.get(lane.where)
+            # Seconds it has waited to be placed and started (lanes/placing.py); None once
+            # it has started: a lane started again where no node has its resources shows.
+            waiting = None if started else round(now - lane.since, 1)  # type: ignore[union-attr]
             last = self._last[k] if self.hold else None
-            out.append({"lane": k, **where, "restarts": self.restarts.count(k),
+            out.append({"lane": k, **where, "waiting_s": waiting,
+                        "restarts": self.restarts.count(k),
                         "held_steps": last and last.held, "making_s": last and last.making_s,
                         "making_cpu_s": last and last.making_cpu_s})  # fmt: skip
         return out
