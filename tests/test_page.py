@@ -403,3 +403,55 @@ def test_live_page_and_metrics_for_a_healthy_slow_rank(browser, slow_service):
         stop.set()
         trainer.join(timeout=10)
         feed.close()
+
+
+LANES_VIEW = """
+const box = document.getElementById("lanes-box");
+const heads = [...document.querySelectorAll("#lanes thead th")].map(th => th.textContent);
+return {
+  hidden: box.hidden,
+  rows: [...document.querySelectorAll("#lanes tbody tr")].map(tr => Object.fromEntries(
+    [...tr.querySelectorAll("td")].map((td, i) => [heads[i], td.textContent]))),
+  warn: [...document.querySelectorAll("#lanes td.warn")].map(td => td.textContent),
+  note: document.getElementById("lanes-note").textContent,
+  drawn: (window.tokenmillPlot || {}).lanes,
+};
+"""
+
+
+def test_page_shows_each_lane_the_slowest_a_restart_and_one_waiting_to_be_placed(browser,
+                                                                                 fake_service):  # fmt: skip
+    """With `lanes` > 1 the page lists each lane: where it runs, or how long it has waited to
+    be placed (a lane started again where no node has its resources), the steps it holds, its
+    making seconds and CPU, the slowest (the one a step waits for) and its restarts; without
+    lanes the table is hidden."""
+    server = fake_service["server"]
+    browser.get(fake_service["base"] + "/")
+    wait_page(browser, lambda v: True, "the page")
+    assert browser.execute_script(LANES_VIEW)["hidden"]  # one feed: no lanes to show
+    server.m |= {
+        "lanes": [
+            {"lane": 0, "pid": 4101, "host": "data-0", "waiting_s": None, "restarts": 0,
+             "held_steps": 80, "making_s": 41.5, "making_cpu_s": 39.8},
+            {"lane": 1, "pid": None, "host": None, "waiting_s": 12.4, "restarts": 1,
+             "held_steps": 64, "making_s": 20.0, "making_cpu_s": 9.0},
+        ],
+        "lanes_waited_s": 3.31, "lanes_chunks_ahead": 4,
+        "lanes_restarted": [{"lane": 1, "step": 960, "steps": 128, "reason": "ActorDiedError",
+                             "at": time.time(), "restart": 1}],
+    }  # fmt: skip
+    deadline = time.time() + 30
+    while (view := browser.execute_script(LANES_VIEW))["drawn"] != 2:
+        assert time.time() < deadline, f"the page did not show the lanes: {view}"
+        time.sleep(0.5)
+    assert not view["hidden"]
+    first, second = view["rows"]
+    assert first["lane"] == "0 (slowest)" and first["process"] == "pid 4101 on data-0"
+    assert first["held steps"] == "80" and first["making, s"] == "41.5"
+    assert first["CPU ÷ wall"] == "0.96" and first["restarts"] == "0"
+    assert second["lane"] == "1" and second["process"] == "waiting to be placed, 12 s"
+    assert second["CPU ÷ wall"] == "0.45" and second["restarts"] == "1"
+    assert view["warn"] == ["waiting to be placed, 12 s", "1"]
+    assert "the producer waited 3.3 s for the lanes' answers" in view["note"]
+    assert "4 chunks of steps asked ahead" in view["note"]
+    assert "lane 1, its process gone (ActorDiedError), started again from step 960" in view["note"]
