@@ -260,11 +260,18 @@ def _progress_line(st: dict, m: dict) -> str:
         else f"{st.get('ranks_connected', 0)} rank(s) connected"
     )  # fmt: skip
     lost = st.get("lost_ranks") or []
+    # Lanes (`lanes` > 1) waiting to be placed, e.g. started again where no node has their
+    # resources: their own note goes to the batch server's Ray log, not here.
+    waiting = [f"lane {d['lane']} {d['waiting_s']:.0f}s" for d in m.get("lanes") or []
+               if isinstance(d, dict) and d.get("waiting_s") is not None]  # fmt: skip
+    restarts = len(m.get("lanes_restarted") or [])
     return (
         f"  produced {st['global_step']:>7} steps  {m.get('producer', st['state']):<11}  "
         f"{m['tokens_per_s']:>12,.0f} tok/s  packing {100 * m['packing_efficiency']:.2f}%  "
         f"{where}  rejects {m['rejects']}" + (f"  LOST ranks {lost}" if lost else "")
-    )
+        + (f"  waiting to be placed: {', '.join(waiting)}" if waiting else "")
+        + (f"  lane restarts {restarts}" if restarts else "")
+    )  # fmt: skip
 
 
 def _rank_jobs_alive(backend, own_job: str) -> list[str]:

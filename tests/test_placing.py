@@ -128,3 +128,18 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
         srv.close()
         if blocker is not None:
             ray.kill(blocker)
+
+
+def test_serves_progress_line_names_lanes_waiting_to_be_placed_and_restarts():
+    """Under `serve` a lane's own note goes to the batch server's Ray log: the progress line
+    `serve` prints every 10 s says which lanes wait to be placed, and how many restarts."""
+    from service.serve import _progress_line
+
+    st = {"global_step": 1200, "state": "running", "ranks_connected": 2}
+    m = {"producer": "making", "tokens_per_s": 1.5e6, "packing_efficiency": 0.995,
+         "rejects": 0, "ranks": {}, "lanes_restarted": [{"lane": 1}],
+         "lanes": [{"lane": 0, "waiting_s": None}, {"lane": 1, "waiting_s": 42.4}]}  # fmt: skip
+    line = _progress_line(st, m)
+    assert line.endswith("  waiting to be placed: lane 1 42s  lane restarts 1"), line
+    plain = _progress_line(st, m | {"lanes": None, "lanes_restarted": []})
+    assert "placed" not in plain and "restarts" not in plain
