@@ -282,11 +282,20 @@ def run_export(
             writes = (Writes(str(out.resolve()), world_size, fmt, full, files.keep_labels)
                       if not local and fmt != "mds" and _one_node() else None)  # fmt: skip
             files.writes = writes
+            # Lanes that hold their steps (writing them) are started again when their process
+            # dies, as under `serve` (service.lane_restarts): that needs their states at every
+            # step (the state files keep `state_every`: next_steps asks for those only).
+            restarts = cfg.service.lane_restarts if writes is not None else 0
+            # The steady window opens as the lanes are started: their constructors begin
+            # reading (and the first states, asked at once, wait for them).
+            lanes_started = time.monotonic()
             feed = LanedFeed(cfg, local=local, state=resume,
                              allow_config_change=allow_config_change, full_batches=full,
-                             state_every=state_every, leave_out=leave_out,
-                             writes=writes)  # fmt: skip
+                             state_every=1 if restarts else state_every, leave_out=leave_out,
+                             writes=writes, restarts=restarts)  # fmt: skip
         feed_started = time.monotonic()  # before anything waits on the lanes
+        if cfg.lanes > 1:
+            feed_started = lanes_started
         at_start = feed.totals()  # a resumed feed's counts start at its state's
         while steps is None or files.written < steps:
             want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
@@ -341,7 +350,8 @@ def _timings(reads: FirstReads, started, begun, files: _StepFiles, marks) -> dic
       whole production, imports, Ray's start and the tokenizer's load left out: no drain of a
       filled prefetch queue can inflate it. (It used to open at the first tokenized block in,
       which left that block's tokenizing out of the window but its tokens in: ~6-8% high on
-      the man pages, whose units are 8 MB.);
+      the man pages, whose units are 8 MB.) With lanes it opens as the lanes are started
+      (their constructors begin reading; their tokenizers' load falls inside);
     - `startup_s`: process start to the export's own start (imports, Ray start or connect);
     - `phases`: when each stage was first reached, in seconds from process start, and the
       time spent writing files (docs/performance.md reads the breakdown from here).

@@ -125,7 +125,9 @@ class Restarts:
         while first < end:
             changes_until(first)
             upto = min([first + per_call, end, *(c.asked for c in pending if c.asked > first)])
-            self.remade.append((k, new, new.call("steps", upto - first, state_every, None)))
+            # Joined already: the dead lane wrote their files (an export's) whole, and the
+            # export may be taking them; only the chunks not yet joined write theirs again.
+            self.remade.append((k, new, new.call("steps", upto - first, state_every, None, False)))
             first = upto
         for c in chunks:
             changes_until(c.first)

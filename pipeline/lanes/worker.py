@@ -82,12 +82,14 @@ class LaneWorker:
         self.making_s = self.making_cpu_s = 0.0  # Receipt `making_s`, `making_cpu_s`
         self.making_process_s = 0.0  # LaneMade `making_process_s`
 
-    def steps(self, n: int, state_every: int, release_below: int | None = None
-              ) -> tuple[list[tuple[Any, Kept | None]] | LaneMade, list[Reject]]:  # fmt: skip
+    def steps(self, n: int, state_every: int, release_below: int | None = None,
+              write: bool = True) -> tuple[list[tuple[Any, Kept | None]] | LaneMade, list[Reject]]:  # fmt: skip
         """Up to `n` next steps of this lane, each with its state when `state_every` says so,
         and the rejects met making them. Holding (`hold`): the lane keeps the steps, in one
         chunk, and answers their counts and states (LaneMade); the steps before
-        `release_below` (every rank has them) are let go first."""
+        `release_below` (every rank has them) are let go first. `write` False: no step file
+        is written (`writes`), for steps a restarted lane makes again whose files the dead
+        one wrote whole (the export may be taking them: lanes/restart.py)."""
         if release_below is not None:
             with self._held_lock:
                 for step in [s for s in self.held if s < release_below]:
@@ -127,7 +129,7 @@ class LaneWorker:
             self.unmade = chunk.first + len(chunk)
             self._made.notify_all()
         writes = {}
-        if self.writes is not None:
+        if self.writes is not None and write:
             done = [self._write(chunk.first + j, chunk.step(j)) for j in range(len(chunk))]
             writes = {"written": tuple(d.get("written", ()) for d in done),
                       "labels": tuple(d.get("labels", False) for d in done)}  # fmt: skip
