@@ -142,7 +142,7 @@ class _StepFiles:
         self.last_at = time.monotonic()
         self.first_at = self.first_at or self.last_at
 
-    def from_lanes(self, made: LanedStep, state: dict | None) -> None:
+    def from_lanes(self, made: LanedStep, state: dict | None, feed: LanedFeed) -> None:
         """A step whose lanes wrote the files of the ranks whose rows they hold (`Writes`):
         those are taken (renamed from aside), and the others written here from the whole
         step, as `step` writes them: a rank whose rows span lanes, every rank of a short last
@@ -169,7 +169,7 @@ class _StepFiles:
                     pending.unlink(missing_ok=True)
         rest = [r for r in range(self.world_size) if r not in done]
         if rest:  # this process joins the step: every row of it passes here
-            self.step(made.whole(), state, ranks=rest)
+            self.step(feed.whole(made), state, ranks=rest)  # a dead lane started again
             return
         if state is not None:
             self._state(state)
@@ -302,7 +302,7 @@ def run_export(
             batches = next_steps(feed, want, state_every)
             for batch, state in batches:
                 if isinstance(batch, LanedStep):
-                    files.from_lanes(batch, state)
+                    files.from_lanes(batch, state, feed)  # type: ignore[arg-type]
                     feed.release(batch.step + 1)  # type: ignore[union-attr]
                 else:
                     files.step(batch, state)

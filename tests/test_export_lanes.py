@@ -31,10 +31,13 @@ def files_of(out) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "summary.json"}
 
 
-@pytest.mark.parametrize("kills", [{12: 1}, {8: 0, 30: 1}])
+@pytest.mark.parametrize(("world", "kills"), [(2, {12: 1}), (2, {8: 0, 30: 1}), (1, {12: 1})])
 def test_a_laned_exports_lane_killed_starts_again_and_writes_the_same_bytes(
-    streams, ray_cluster, tmp_path, monkeypatch, kills
+    streams, ray_cluster, tmp_path, monkeypatch, world, kills
 ):
+    """World 2: each lane writes its rank's files. World 1: the rank spans both lanes, and
+    the export joins every step from the lanes' parts (LanedFeed.whole): a lane found dead
+    there is started again too."""
     import ray
 
     import service.export as export
@@ -42,7 +45,7 @@ def test_a_laned_exports_lane_killed_starts_again_and_writes_the_same_bytes(
 
     cfg = parse_config({"seq_len": 128, "global_batch_size": 8, "lanes": 2, "streams": streams,
                         "read": {"first_block_bytes": 8 << 10, "block_bytes": 32 << 10}})  # fmt: skip
-    steps, world = 48, 2  # a world K divides: the lanes write the step files
+    steps = 48
     run_export(cfg, tmp_path / "whole", steps=steps, world_size=world, state_every=8)
 
     feeds = []

@@ -918,11 +918,12 @@ def test_laned_exports_write_their_files_in_the_lanes(small, streams, ray_cluste
     byte, for worlds 1, 2, 4 and 8, to the end of the data and with a step limit the lanes
     ran past; nothing a lane wrote ahead is left behind. Arrow files too, whose bytes are the
     buffers' (a slice's padding would carry the rows after it: wire/arrays.py `own`)."""
-    from pipeline.lanes import PENDING, LanedStep
+    from pipeline.lanes import PENDING
 
     joined: list[int] = []
-    whole = LanedStep.whole
-    monkeypatch.setattr(LanedStep, "whole", lambda s, *a: joined.append(s.step) or whole(s, *a))
+    whole = LanedFeed.whole  # what the export joins itself
+    monkeypatch.setattr(LanedFeed, "whole",
+                        lambda f, s, *a: joined.append(s.step) or whole(f, s, *a))  # fmt: skip
     for corpus, steps, tag in ((small, None, "small"), (streams, 5, "chat")):
         cfg = config(corpus, lanes)
         for world in (1, 2, 4, 8):

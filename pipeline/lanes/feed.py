@@ -452,6 +452,27 @@ class LanedFeed:
         """Each restart (metrics `lanes_restarted`): lanes/restart.py `Restarts.log`."""
         return self.restarts.log
 
+    def whole(self, step: LanedStep, timeout_s: float = 120.0) -> pa.RecordBatch:
+        """Held step `step`, joined whole from its lanes' parts (an export's step whose rows
+        this process writes: a rank spanning lanes, a short last step). A lane whose process
+        died is started again (`restart`) and its part asked of the new actor, which makes
+        the step again first (LaneWorker `_held`); a lane that fails otherwise is named."""
+        import ray
+
+        parts = []
+        for k in range(len(self.lanes)):
+            while True:
+                lane = self.lanes[k]
+                handle = lane.handle  # type: ignore[union-attr]  # holding lanes are actors
+                call = handle.part.options(concurrency_group=TAKE_GROUP).remote(step.step)
+                try:
+                    parts.append(from_ipc(ray.get(call, timeout=timeout_s)))
+                    break
+                except Exception as e:
+                    if not self.restart(k, lane, e):
+                        raise self._failure(k, e) from e
+        return join_parts(parts)
+
     def check_lane(self, k: int, timeout_s: float = 10.0) -> None:
         """A rank met lane k's actor dead (wire/lanes.py LaneGone): restarted here if it is
         (the producer may be waiting for room, not for the lane, and not meet it)."""
