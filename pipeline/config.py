@@ -14,9 +14,11 @@ import hashlib
 import json
 import math
 import threading
+import types
+import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 from pydantic import (
@@ -144,8 +146,54 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key and the value."""
 
 
+def _scalar_kinds(annotation: Any) -> set[type] | None:
+    """The scalar types (int, float, bool, None) an annotation admits, or None when it admits
+    anything else too (a str, a model, a list)."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (Union, types.UnionType) else (annotation,)  # fmt: skip
+    kinds = {type(None) if a is type(None) else a for a in args}
+    return kinds if kinds <= {int, float, bool, type(None)} else None
+
+
+def _check_scalar(where: str, kinds: set[type], value: Any) -> None:
+    """Strict scalars: no bool where a number is meant, no number where a bool is, no string
+    for either (YAML's `"2"` or `yes` would otherwise be coerced quietly), no float for an int,
+    and only finite floats (a time of `.inf` would wait for ever)."""
+    if value is None and type(None) in kinds:
+        return
+    if isinstance(value, bool):
+        ok = bool in kinds
+    elif isinstance(value, int):
+        ok = int in kinds or float in kinds
+    elif isinstance(value, float):
+        ok = float in kinds and math.isfinite(value)
+    else:
+        ok = False
+    if not ok:
+        want = " or ".join(sorted("null" if k is type(None) else "a finite number" if k is float
+                                  else k.__name__ for k in kinds))  # fmt: skip
+        raise ValueError(f"{where} must be {want}, got {value!r}")
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict_scalars(cls, data: Any) -> Any:
+        """Pydantic's lax mode turns `true` into 1 and `"2"` into 2; a config says what it means."""
+        if not isinstance(data, Mapping):
+            return data
+        for name, field in cls.model_fields.items():
+            if name not in data:
+                continue
+            if (kinds := _scalar_kinds(field.annotation)) is not None:
+                _check_scalar(name, kinds, data[name])
+            elif typing.get_origin(field.annotation) is dict and isinstance(data[name], Mapping):
+                value_type = typing.get_args(field.annotation)[1]
+                if (kinds := _scalar_kinds(value_type)) is not None:
+                    for key, value in data[name].items():
+                        _check_scalar(f"{name}[{key!r}]", kinds, value)
+        return data
 
 
 class TokenizerConfig(_Frozen):
@@ -378,7 +426,7 @@ class AutoscaleConfig(_Frozen):
 
 class ServiceConfig(_Frozen):
     host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: a free port, the one bound recorded
     # A rank not heard from for this long is reported lost and stops holding steps back;
     # None: never (a step then waits for every rank, however long).
     rank_timeout_s: float | None = Field(default=600.0, gt=0)

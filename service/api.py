@@ -380,6 +380,10 @@ def create_app(backend: Backend) -> FastAPI:
         world_size: int | None = Query(default=None, ge=1, le=1 << 20),
         text: bool = False,
     ) -> Any:
+        if rank is not None:  # a rank the world does not have gets a 400, never an empty 200
+            world = world_size or _answered(backend.call, "status").get("world_size") or 1
+            if rank >= world:
+                raise HTTPException(400, f"rank {rank} is outside world size {world}")
         segs = _answered(backend.call, "provenance", step, world_size, text, timeout_s=120.0,
                          lookup=404, value=400)  # fmt: skip
         return [s for s in segs if rank is None or s["rank"] == rank]

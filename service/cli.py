@@ -257,6 +257,16 @@ def _read_state(path: str | None, flag: str = "--resume") -> dict | None:
         raise ConfigError(f"{flag} {e}") from None
 
 
+def _service_name(text: str) -> str:
+    """argparse's check of `--name` (one rule for every service name: wire/protocol.py)."""
+    from wire.protocol import check_service_name
+
+    try:
+        return check_service_name(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_serve(args) -> int:
     from service.serve import run_serve
 
@@ -280,14 +290,21 @@ def parse_steps(text: str) -> list[int]:
 
 
 def cmd_trace(args) -> int:
-    from pipeline.inspect.provenance import trace
+    from pipeline.inspect.provenance import RankOutsideWorld, trace
 
     cfg = load_config(args.config)
     state = _read_state(args.state, "--state") if args.state else None
-    segs = trace(
-        cfg, parse_steps(args.step), out=Path(args.out) if args.out else None, state=state,
-        rank=args.rank, world_size=args.world_size, text=args.text,
-    )  # fmt: skip
+    if args.rank is not None and args.rank < 0:
+        raise ConfigError(f"--rank must be >= 0, got {args.rank}")
+    if args.rank is not None and args.world_size and args.rank >= args.world_size:
+        raise ConfigError(f"--rank {args.rank} is outside --world-size {args.world_size}")
+    try:
+        segs = trace(
+            cfg, parse_steps(args.step), out=Path(args.out) if args.out else None, state=state,
+            rank=args.rank, world_size=args.world_size, text=args.text,
+        )  # fmt: skip
+    except RankOutsideWorld as e:
+        raise ConfigError(f"--rank: {e}") from None
     if args.json:
         print(json.dumps(segs, indent=1))
         return 0
@@ -545,9 +562,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--address", default=None, help=ADDRESS_HELP)
     v.add_argument("--host", default=None, help="API bind address (None: the config's, 127.0.0.1)")
     v.add_argument("--port", type=int, default=None, help="API port (None: the config's, 8000)")
-    v.add_argument(
-        "--name", default="tokenmill", help="the service (actor) name trainers connect to"
-    )
+    v.add_argument("--name", default="tokenmill", type=_service_name,
+                   help="the service (actor) name trainers connect to")  # fmt: skip
     v.add_argument(
         "--allow-config-change",
         action="store_true",
@@ -574,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("status", cmd_status, "print a running service's status"),
     ):
         x = command(verb, doc)
-        x.add_argument("--name", default="tokenmill", help="the service name")
+        x.add_argument("--name", default="tokenmill", type=_service_name, help="the service name")
         x.add_argument(
             "--address",
             default=None,

@@ -253,10 +253,11 @@ def run_export(
     begun = time.monotonic()
     if resume is not None:  # fail here, with a clear message, not inside the actor
         if cfg.lanes == 1:
-            check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change)
+            check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change,
+                        cfg.packing.mode, cfg.global_batch_size)  # fmt: skip
         else:
             check_laned_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change,
-                              cfg.packing.mode, cfg.lanes)  # fmt: skip
+                              cfg.packing.mode, cfg.lanes, cfg.global_batch_size)  # fmt: skip
     connected: list[float | None] = [None]
     if ray_ready is not None:
         ray_ready.add_done_callback(lambda _: connected.__setitem__(0, time.monotonic()))

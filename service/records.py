@@ -5,7 +5,7 @@ host, API URL). `tokenmill stop/status`, `Feed.connect` and every adapter find a
 through it, as one rule (`service.cluster.client_address`). A record is claimed atomically
 (O_EXCL) before its service starts, so two `serve --name N` on one machine cannot both run
 and overwrite each other's record; a record whose serve process is gone (SIGKILL) is stale
-and is removed by whoever finds it. Stdlib only: the trainer side imports it too.
+and is removed by whoever finds it. Stdlib and wire/ only: the trainer side imports it too.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 import os
 import socket
 from pathlib import Path
+
+from wire.protocol import SERVICE_NAME_RE, check_service_name
 
 
 class ServiceExists(RuntimeError):
@@ -26,7 +28,9 @@ def records_dir() -> Path:
 
 
 def service_file(name: str) -> Path:
-    return records_dir() / f"{name}.json"
+    """Service `name`'s record; ValueError for a name that is not one (`wire.protocol`'s
+    rule), so that nothing is ever read, written or deleted outside the services folder."""
+    return records_dir() / f"{check_service_name(name)}.json"
 
 
 def read_record(name: str) -> dict | None:
@@ -47,7 +51,8 @@ def read_record(name: str) -> dict | None:
 def live_records() -> dict[str, dict]:
     """Every live service record on this machine, by service name."""
     try:
-        names = sorted(p.stem for p in records_dir().glob("*.json"))
+        names = sorted(p.stem for p in records_dir().glob("*.json")
+                       if SERVICE_NAME_RE.fullmatch(p.stem))  # fmt: skip
     except OSError:
         return {}
     found = {name: read_record(name) for name in names}

@@ -38,6 +38,7 @@ from service.records import (
     ServiceExists,
     alive,
     claim,
+    live_records,
     local_pid,
     publish,
     read_record,
@@ -155,11 +156,22 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
     from service.api import Backend, api_token, create_app
     from service.cluster import connect, shutdown
 
-    record = claim(name)  # before Ray: a second `serve --name N` here is refused at once
+    host = host or os.environ.get("TOKENMILL_HOST") or cfg.service.host
+    port = port if port is not None else int(os.environ.get("TOKENMILL_PORT", cfg.service.port))
+    # The API's socket is bound before anything is recorded: a port that is taken fails the
+    # serve at once, naming who holds it, instead of a service without an API whose record
+    # names the other service's port. Port 0 binds a free one; the record has the real one.
+    sock = bind_api(host, port)
+    try:
+        record = claim(name)  # before Ray: a second `serve --name N` here is refused at once
+    except BaseException:
+        sock.close()
+        raise
     try:
         started = connect(address)
     except BaseException:
         release(record)
+        sock.close()
         raise
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
@@ -169,14 +181,14 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
         # A running cluster (joined, not started here) gets the warm pool, as an export does.
         actor = start_server(cfg, name, resume, allow_config_change=allow_config_change,
                              pool=not started, leave_out=leave_out)  # fmt: skip
-        host = host or os.environ.get("TOKENMILL_HOST") or cfg.service.host
-        port = port or int(os.environ.get("TOKENMILL_PORT", cfg.service.port))
+        port = sock.getsockname()[1]
         backend = Backend(actor)
         server = uvicorn.Server(
             uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning")
         )
         # Our handlers (above) stay: uvicorn installs none when it runs off the main thread.
-        threading.Thread(target=server.run, name="tokenmill-api", daemon=True).start()
+        threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenmill-api",
+                         daemon=True).start()  # fmt: skip
         url = f"http://{host}:{port}"
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "api": url}
         gcs = ray.get_runtime_context().gcs_address
@@ -194,6 +206,32 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
         release(record)
         shutdown(started)
     return code
+
+
+class PortTaken(RuntimeError):
+    """The API's port is held by another process."""
+
+
+def bind_api(host: str, port: int) -> socket.socket:
+    """A listening socket for the API on host:port (port 0: a free one); PortTaken naming the
+    port and, where a service recorded here holds it, that service."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is free
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        holders = [f"service {n!r} (serve pid {r.get('pid')})" for n, r in live_records().items()
+                   if str(r.get("api", "")).rsplit(":", 1)[-1] == str(port)]  # fmt: skip
+        who = ", ".join(holders) or "another process"
+        raise PortTaken(
+            f"the API cannot listen on {host}:{port} ({e.strerror or e}): held by {who}; "
+            "choose another with --port (0: any free port) or stop what holds it"
+        ) from None
+    return sock
 
 
 def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,

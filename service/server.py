@@ -388,7 +388,7 @@ class BatchServer:
         feed. `client`: the rank's Ray job id, so that `serve` keeps an embedded Ray up
         until that job has left (`rank_jobs`)."""
         self._check_world(world_size)
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
+        if not _is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank!r} is outside world size {world_size}")
         if state is not None and not isinstance(state, dict):
             from pipeline.state.resume import StateError
@@ -428,6 +428,16 @@ class BatchServer:
         with self._cond:
             ok = self.window.beat(rank, world_size, consumed)
             self._observe()
+            return ok
+
+    def leave(self, rank: int, world_size: int) -> bool:
+        """A rank closed its feed (`Feed.close`): it holds no step back from now on, and the
+        other ranks go on at once instead of waiting `rank_timeout_s` for it (service/window.py
+        `leave`). False: not a rank of the world served."""
+        with self._cond:
+            ok = self.window.leave(rank, world_size)
+            self._observe()
+            self._cond.notify_all()
             return ok
 
     def rank_jobs(self) -> list[str]:
@@ -576,7 +586,7 @@ class BatchServer:
 
     def _check_world(self, world_size: int) -> None:
         G = self.cfg.global_batch_size
-        if not isinstance(world_size, int) or world_size < 1 or G % world_size:
+        if not _is_int(world_size) or world_size < 1 or G % world_size:
             raise ValueError(
                 f"world size {world_size!r} does not divide global_batch_size {G}: "
                 "every rank gets G/W rows of each step"
@@ -957,6 +967,7 @@ class BatchServer:
                 "world_size": self.window.world,
                 "ranks_connected": sum(r["connected"] for r in ranks.values()),
                 "lost_ranks": [r for r, v in ranks.items() if v["lost"]],
+                "left_ranks": [r for r, v in ranks.items() if v.get("left")],
                 "global_step": self.window.produced,
                 "first_step": self.window.start,
                 "uptime_s": time.time() - self._started,
@@ -1011,3 +1022,8 @@ class BatchServer:
                 "left_out": s.left_out,  # documents a resume left out (--skip-steps, --skip-docs)
                 "policy": None if self.steering is None else self.steering.view(),
             }
+
+
+def _is_int(x: object) -> bool:
+    """An int, and not a bool (`True` is an int to Python, and divides every batch size)."""
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -16,7 +16,8 @@ Liveness follows training, not pulling. A rank fetches up to 32 steps per call a
 on them for as long as they take; its client beats (`beat`, from a thread, every few seconds)
 with the step it has consumed. Any call or beat is a sign of life. A rank with no sign of life
 for `rank_timeout_s` is lost (`None`: never): a killed process, a hung host. A rank that trains
-slowly is never lost. A lost rank stops holding steps back, and if it returns for a step that
+slowly is never lost. A rank that closes its feed says goodbye (`leave`) and is gone at once.
+A lost or departed rank stops holding steps back, and if it returns for a step that
 was released meanwhile it gets a `StepGone` that names the timeout; one that returns for a step
 still held simply carries on.
 
@@ -51,6 +52,7 @@ class RankState:
     # The step of its latest request: a rank asks again only once it has everything before
     # it, so rows held elsewhere (lanes) may go once every rank asked past them. None: `next`.
     asked: int | None = None
+    left: bool = False  # it closed its feed (said goodbye): it holds nothing back, as if lost
 
 
 class StepWindow:
@@ -90,6 +92,7 @@ class StepWindow:
             self.world = world_size
             self.ranks = {r: RankState(first, now) for r in range(world_size)}
         self.ranks[rank].connected = True
+        self.ranks[rank].left = False
 
     # -- producer side ------------------------------------------------------------------------
 
@@ -98,12 +101,16 @@ class StepWindow:
         timeout = self.rank_timeout_s
         return timeout is not None and self.clock() - r.seen > timeout
 
+    def gone(self, rank: int) -> bool:
+        """Lost (no sign of life for `rank_timeout_s`) or left (it closed its feed)."""
+        return self.ranks[rank].left or self.lost(rank)
+
     def floor(self) -> int:
         """The lowest step still needed: the slowest live rank's next step. Before any rank
         connects, the window's first step; with every rank lost, the furthest rank's."""
         if self.world is None:
             return self.start
-        live = [r.next for k, r in self.ranks.items() if not self.lost(k)]
+        live = [r.next for k, r in self.ranks.items() if not self.gone(k)]
         if live:
             # A rank back from being lost may stand before the first step still held: those
             # steps are gone for it (StepGone), so it must not hold the producer back.
@@ -126,7 +133,7 @@ class StepWindow:
         if self.world is None:
             return self.start
         live = [r.next if r.asked is None else r.asked
-                for k, r in self.ranks.items() if not r.ended and not self.lost(k)]  # fmt: skip
+                for k, r in self.ranks.items() if not r.ended and not self.gone(k)]  # fmt: skip
         return min(min(live, default=self.produced), self.floor())
 
     def evict(self) -> list[int]:
@@ -152,6 +159,19 @@ class StepWindow:
         r.consumed = min(int(consumed), r.next)
         return True
 
+    def leave(self, rank: int, world_size: int) -> bool:
+        """Rank `rank` closed its feed: from now on it holds no step back, at once rather than
+        after `rank_timeout_s`, and the other ranks go on (its rows of later steps are not
+        delivered to anyone, as for a lost rank). A rank that comes back carries on if its
+        step is still held, else gets StepGone. False for another world than the one served."""
+        if self.world is None or world_size != self.world or not 0 <= rank < self.world:
+            return False
+        r = self.ranks[rank]
+        r.left = True
+        r.seen = self.clock()
+        self.evict()
+        return True
+
     def end(self, rank: int) -> None:
         """Rank `rank` was told the data has ended: it had fetched and consumed every step
         (it asks past its buffer only when the buffer is spent)."""
@@ -165,7 +185,7 @@ class StepWindow:
         before a world is declared: a rank connecting late must still find every step."""
         if self.world is None:
             return False
-        return all(r.ended or self.lost(k) for k, r in self.ranks.items())
+        return all(r.ended or self.gone(k) for k, r in self.ranks.items())
 
     def take(self, rank: int, world_size: int, step: int) -> Any | None:
         """Rank `rank`'s request for `step`: the payload, or None if not produced yet.
@@ -176,10 +196,11 @@ class StepWindow:
         elif world_size != self.world:
             self.declare(rank, world_size)  # raises WorldMismatch
         r = self.ranks[rank]
-        was_lost = self.lost(rank)
+        was_lost, had_left = self.lost(rank), r.left
         away = self.clock() - r.seen
         r.seen = self.clock()
         r.connected = True
+        r.left = False
         if step in self.steps:
             r.next = max(r.next, step + 1)
             payload = self.steps[step]
@@ -192,6 +213,8 @@ class StepWindow:
             f"rank {rank} was away {away:.0f}s, longer than service.rank_timeout_s="
             f"{self.rank_timeout_s:g}, so the other ranks went on without it"
             if was_lost
+            else f"rank {rank} had closed its feed, so the other ranks went on without it"
+            if had_left
             else f"every rank of the world has taken it, or it precedes step {self.start}, "
             "where this service started"
         )
@@ -216,7 +239,8 @@ class StepWindow:
                 "consumed_step": r.consumed,
                 "buffered": r.next - at,
                 "lag": max(0, self.produced - at),
-                "lost": self.lost(k),
+                "lost": self.lost(k) and not r.left,
+                "left": r.left,
                 "connected": r.connected,
                 "ended": r.ended,
                 "last_sign_s_ago": sign,

@@ -108,21 +108,32 @@ def test_corrupt_and_unreadable_files_are_skipped_whole_and_named(tmp_path):
         assert "locked.parquet" in by_file
 
 
-def test_corrupt_mds_shard(tmp_path):
+def test_a_truncated_mds_shard_gives_up_only_the_samples_it_cannot_read(tmp_path):
+    """A shard cut in half: the samples whose bytes are all there are read, each of the others
+    is a counted skip naming its record (it was one skip for the whole shard, its readable
+    half lost)."""
+    import numpy as np
     from streaming import MDSWriter
 
-    texts = stdlib_texts(6, max_bytes=800)
-    with MDSWriter(out=str(tmp_path / "mds"), columns={"text": "str"}, size_limit=1500) as w:
+    texts = stdlib_texts(40, max_bytes=800)
+    with MDSWriter(out=str(tmp_path / "mds"), columns={"text": "str"}, size_limit=1 << 14) as w:
         for t in texts:
             w.write({"text": t})
     shards = sorted((tmp_path / "mds").glob("shard.*.mds"))
     data = shards[0].read_bytes()
-    shards[0].write_bytes(data[: len(data) // 2])  # truncated shard
+    cut = len(data) // 2
+    shards[0].write_bytes(data[:cut])  # truncated shard
+    n = json.loads((tmp_path / "mds" / "index.json").read_text())["shards"][0]["samples"]
+    ends = np.frombuffer(data[8 : 4 * (n + 2)], np.uint32)
+    whole = int((ends <= cut).sum())  # the samples of the first half
+    assert 0 < whole < n, (whole, n)
     feed, docs = _run(_cfg(tmp_path, [str(tmp_path / "mds")]))
-    assert feed.rejects and "corrupt MDS shard" in feed.rejects[0].reason
-    assert feed.rejects[0].file.endswith(shards[0].name)
-    index = json.loads((tmp_path / "mds" / "index.json").read_text())
-    assert len(docs) == len(texts) - index["shards"][0]["samples"]
+    lost = [r for r in feed.rejects if r.file.endswith(shards[0].name)]
+    assert len(lost) == n - whole and len(feed.rejects) == n - whole
+    assert sorted(r.record for r in lost) == list(range(whole, n))
+    assert all("past the end of the shard" in r.reason for r in lost)
+    assert len(docs) == len(texts) - (n - whole)
+    assert feed.summary().streams["h"].skipped == n - whole  # the count says how many
 
 
 def test_check_cli_fails_and_names_every_bad_record(tmp_path):

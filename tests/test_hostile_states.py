@@ -43,7 +43,8 @@ def run(tmp_path_factory):
 
 
 def _check(cfg, state):
-    return check_state(state, cfg.config_hash(), list(cfg.streams), False, cfg.packing.mode)
+    return check_state(state, cfg.config_hash(), list(cfg.streams), False, cfg.packing.mode,
+                       cfg.global_batch_size)  # fmt: skip
 
 
 # --- 6a. a file holding null (or any JSON that is not an object) -------------------------------
@@ -138,7 +139,73 @@ EDITS = {
         r"packer.mixer.placed \(10128 tokens in all\) is more than feed.real_tokens",
     ),
     "version true": (lambda s: s.__setitem__("version", True), r"has version True"),
+    "step 10**30": (lambda s: s.__setitem__("step", 10**30), r"step must be at most 2\*\*62"),
+    "step past the rows made": (
+        lambda s: s.__setitem__("step", 1 << 40),
+        r"step 1099511627776 does not agree with feed.rows 6 \(2 rows a step\)",
+    ),
+    "step short of the rows made": (
+        lambda s: s.__setitem__("step", 2),
+        r"step 2 does not agree with feed.rows 6",
+    ),
+    "unknown key": (
+        lambda s: s.__setitem__("steps", 3),
+        r"the state has unknown key\(s\) \['steps'\]",
+    ),
+    "unknown mixer key": (
+        lambda s: _mixer(s).__setitem__("weight", {"a": 1.0}),
+        r"packer.mixer has unknown key\(s\) \['weight'\]",
+    ),
+    "unknown stream key": (
+        lambda s: _stream(s).__setitem__("consumed", 0),
+        r"packer.streams.a has unknown key\(s\) \['consumed'\]",
+    ),
 }
+
+
+def _paths(obj, at=()):
+    """Every (container, key) of a JSON tree, depth first."""
+    items = (
+        obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    )
+    for key, value in items:
+        yield at + (key,)
+        yield from _paths(value, at + (key,))
+
+
+def test_any_field_deleted_or_of_another_type_is_a_state_error(run):
+    """Every failure of a state, at every field, is a StateError (the message names the field),
+    never a KeyError, TypeError or IndexError from deep inside a stage."""
+    cfg, state, _ = run
+    tried = 0
+    for path in list(_paths(state)):
+        if path == ("digest",):
+            continue
+        for value in (None, "x", -1, 2.5, True, [], {}, [1, 2], {"k": 1}, "delete"):
+            bad = copy.deepcopy(state)
+            holder = bad
+            for key in path[:-1]:
+                holder = holder[key]
+            if value == "delete":
+                if isinstance(holder, list):
+                    holder.pop(path[-1])
+                else:
+                    del holder[path[-1]]
+            else:
+                holder[path[-1]] = value
+            seal(bad)
+            tried += 1
+            try:
+                _check(cfg, bad)
+            except StateError:
+                continue
+            # Accepted: it resumes, or the stages find that the data differ from what it says
+            # (a position moved): a StateError too, never a crash.
+            try:
+                Feed(cfg, executor=iter_blocks_local, state=bad).close()
+            except StateError:
+                pass
+    assert tried > 500
 
 
 @pytest.mark.parametrize("edit", sorted(EDITS))

@@ -120,7 +120,15 @@ def test_hello_refuses_what_cannot_be_served_before_anything_changes(served, tmp
     feed = Feed.connect(service=name, rank=0, world_size=2)
     first = next(feed)["input_ids"].clone()
     state = ray.get(actor.state.remote(0))
-    for args in ((0, 3, None), (0, 2_000_000, state), (5, 4, None), (0, 0, None), (0, 2, [1])):
+    for args in (
+        (0, 3, None),
+        (0, 2_000_000, state),
+        (5, 4, None),
+        (0, 0, None),
+        (0, 2, [1]),
+        (True, 2, None),
+        (0, True, None),
+    ):  # a bool is no rank or world (True == 1)
         with pytest.raises(ray.exceptions.RayTaskError):
             ray.get(actor.hello.remote(*args))
     st = ray.get(actor.status.remote())

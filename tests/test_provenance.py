@@ -87,6 +87,14 @@ def test_the_same_from_world_sizes_a_state_and_the_cli(run):
          str(d / "w2"), "--step", "40"], capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert missing.returncode == 1 and "no files of step 40" in missing.stderr
+    for rank, world, says in (("7", [], "outside world size 2"), ("-1", [], "--rank must be >= 0"),
+                              ("2", ["--world-size", "2"], "outside --world-size 2")):  # fmt: skip
+        outside = subprocess.run(
+            [sys.executable, "-m", "service", "trace", "--config", str(d / "c.yaml"), "--out",
+             str(d / "w2"), "--step", "9", "--rank", rank, *world], capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert outside.returncode == 2 and says in outside.stderr, (rank, outside.stderr)
 
 
 @pytest.mark.slow
@@ -110,5 +118,13 @@ def test_a_running_server_answers_for_held_and_released_steps(run, ray_cluster, 
         assert got.json() == trace(cfg, [1], out=d / "w2", rank=1)
         late = client.get("/v1/steps/999/provenance", headers={"Authorization": f"Bearer {TOKEN}"})
         assert late.status_code == 404 and "not been produced" in late.json()["detail"]
+        # A rank the world does not have: a 400 naming it, never an empty 200 (the world
+        # served is 1 rank here).
+        for url, world in (("/v1/steps/5/provenance?rank=5&world_size=1", 1),
+                           ("/v1/steps/5/provenance?rank=2&world_size=2", 2),
+                           ("/v1/steps/5/provenance?rank=1", 1)):  # fmt: skip
+            outside = client.get(url, headers={"Authorization": f"Bearer {TOKEN}"})
+            assert outside.status_code == 400, (url, outside.text)
+            assert f"outside world size {world}" in outside.json()["detail"]
     finally:
         srv.close()

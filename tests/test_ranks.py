@@ -280,6 +280,34 @@ def test_a_rank_away_past_the_timeout_is_reported_lost_and_told_why(served, tmp_
         next(late)
 
 
+@pytest.mark.parametrize(
+    "slow_leaves", [True, False], ids=["slow leaves first", "fast leaves first"]
+)
+def test_a_rank_that_closes_its_feed_never_holds_the_others(served, tmp_path, slow_leaves):
+    """Two ranks under the default 600 s rank timeout, prefetch 2. One closes its feed after 1
+    step: the other takes 8 more steps at once, each equal to the export's, and status says
+    which rank left (not lost)."""
+    cfg = make_cfg(tmp_path)
+    want = exported(cfg, tmp_path, 9, 2)
+    name = f"left{os.getpid()}{int(slow_leaves)}"
+    actor = served(cfg, name, prefetch=2)
+    leaver, stayer = (0, 1) if slow_leaves else (1, 0)
+    feed = Feed.connect(service=name, rank=leaver, world_size=2, timeout_s=60)
+    first = next(feed)
+    np.testing.assert_array_equal(first["input_ids"].numpy(), want[(0, leaver)][0])
+    if not slow_leaves:  # the fast one ran ahead first; the slow one still finds every step
+        wait_produced(actor, 2)
+    feed.close()
+    got: list = []
+    t0 = time.monotonic()
+    pull(name, stayer, 2, 9, got)
+    assert time.monotonic() - t0 < 60, "held back by the rank that left"
+    assert_equal_to_export({stayer: got}, want, 9)
+    st = ray.get(actor.status.remote())
+    assert st["left_ranks"] == [leaver] and st["lost_ranks"] == []
+    assert ray.get(actor.metrics.remote())["ranks"][str(leaver)]["left"]
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_served_batches_equal_the_full_export_in_every_column(served, tmp_path, chat):
     """The service sends the compact layout and the rank derives `position_ids`, `segment_ids`

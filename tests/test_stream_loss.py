@@ -45,6 +45,33 @@ def test_reports_are_joined_per_step_over_the_ranks():
             agg.add(0, 2, 2, bad)
 
 
+def test_a_steps_loss_sums_are_the_same_bits_for_every_world_size():
+    """The mixing policy decides from each step's loss sums over the world. With identical
+    per-token losses, 1, 2, 4 and 8 ranks (each summing its own rows, reports joined in any
+    order) give bit-identical sums, so the decisions cannot depend on the world size."""
+    gen = torch.Generator().manual_seed(7)
+    G, L = 8, 64
+    labels = torch.randint(0, 1000, (G, L), generator=gen)
+    labels[:, 0] = -100
+    streams = [["a", "b"] if r % 2 else ["b"] for r in range(G)]
+    lens = [[40, 24] if r % 2 else [L] for r in range(G)]
+    for r in range(G):
+        if r % 2:
+            labels[r, 40] = -100  # a segment's first label
+    loss = torch.rand(G, L - 1, generator=gen, dtype=torch.float32) * 12
+    joined = {}
+    for world in (1, 2, 4, 8):
+        agg = StreamLosses(["a", "b"])
+        per = G // world
+        for rank in reversed(range(world)):  # reports arrive in any order
+            rows = slice(rank * per, (rank + 1) * per)
+            batch = {"labels": labels[rows], "seq_lens": lens[rows], "stream": streams[rows]}
+            agg.add(rank, world, 0, stream_loss(batch, loss[rows]))
+        joined[world] = agg.sums(0)
+    assert joined[1] is not None and joined[1]["a"][1] > 0
+    assert all(joined[w] == joined[1] for w in (2, 4, 8)), joined
+
+
 @pytest.mark.slow
 def test_hf_trainer_reports_loss_per_stream_that_adds_up_to_its_loss(ray_cluster, tmp_path):
     from transformers import TrainingArguments

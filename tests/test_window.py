@@ -192,3 +192,37 @@ def test_beats_keep_a_rank_that_does_not_fetch_alive_and_report_where_it_trains(
     assert not w.beat(0, 2, 0) and not w.beat(5, 1, 0)  # another world, another rank: ignored
     clock.t += 11
     assert w.lost(0)  # no sign of life
+
+
+@pytest.mark.parametrize(
+    "slow_leaves", [True, False], ids=["slow leaves first", "fast leaves first"]
+)
+def test_a_rank_that_leaves_holds_nothing_back_at_once(slow_leaves):
+    """A rank that closes its feed says goodbye. The slow one leaving: the fast one goes on at
+    once (not after the 600 s timeout). The fast one leaving: the slow one still gets every
+    step. The data's end counts a departed rank done, status tells it apart from a lost one,
+    and one that comes back for a step released meanwhile hears why."""
+    w, clock = make(prefetch=3)
+    slow, fast = 0, 1
+    for r in (slow, fast):
+        w.declare(r, 2)
+    fill(w)
+    for s in range(3):
+        assert w.take(fast, 2, s) == f"batch{s}"
+    assert not w.room()  # the slow rank holds steps 0-2
+    leaver, stayer = (slow, fast) if slow_leaves else (fast, slow)
+    assert w.leave(leaver, 2)
+    view = w.rank_view()[leaver]
+    assert view["left"] and not view["lost"]
+    got = []
+    while len(got) < 6:  # no clock moved: at once
+        fill(w)
+        step = (got[-1] + 1) if got else (3 if slow_leaves else 0)
+        assert w.take(stayer, 2, step) == f"batch{step}"
+        got.append(step)
+    assert got == (list(range(3, 9)) if slow_leaves else list(range(6)))
+    w.end(stayer)
+    assert w.drained()
+    assert not w.leave(0, 4)  # another world
+    with pytest.raises(StepGone, match="closed its feed"):
+        w.take(leaver, 2, 0 if slow_leaves else 1)

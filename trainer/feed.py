@@ -54,6 +54,7 @@ from wire.protocol import (
     POLL_S,
     REPORT_GROUP,
     SERVICE_NAME,
+    check_service_name,
 )
 
 _CONNECT_LOCK = threading.Lock()
@@ -124,6 +125,11 @@ def to_torch_steps(batch) -> Iterator[dict]:
         at, i = at + m, j
 
 
+# A reported loss's resolution (2**-20, ~1e-6: float32's own at a loss of ~8). A step's sum is
+# exact below 2**33 (53 bits less 20): ~1e9 tokens at a loss of 8.
+LOSS_QUANTUM = 2.0**-20
+
+
 def stream_loss(batch: dict, token_loss) -> dict[str, list[float]]:
     """Per stream, [summed loss, labelled tokens] of one batch: what `Feed.report_loss` takes.
 
@@ -149,10 +155,15 @@ def stream_loss(batch: dict, token_loss) -> dict[str, list[float]]:
         code[r, :n] = torch.repeat_interleave(idx, torch.tensor(lens, dtype=torch.long))
     code = code.to(labels.device)
     counted = labels != IGNORE_LABEL
+    # Fixed point: each token's loss rounded to a multiple of LOSS_QUANTUM and summed as
+    # integers, so a sum is exact and the same however the rows are split among ranks (a float
+    # sum's last bits follow the split, and the policy's decisions followed them). The floats
+    # sent are exact multiples of the quantum, which the service adds exactly too.
+    fixed = torch.round(tl.double() / LOSS_QUANTUM).to(torch.int64)
     out = {}
     for c, name in enumerate(names):
         m = counted & (code == c)
-        out[name] = [float(tl[m].sum()), int(m.sum())]
+        out[name] = [int(fixed[m].sum()) * LOSS_QUANTUM, int(m.sum())]
     return out
 
 
@@ -170,6 +181,7 @@ class Feed:
         self._ahead: Iterator[dict] = iter(())  # fetched, not yet consumed: self.step, ...
         self.calls = 0  # `get` calls made (a rank's cost is mostly per call, not per step)
         self.generation: int | None = None  # the sequence joined (protocol.Welcome)
+        self._left = False  # said goodbye (`close`)
         self._beating = threading.Event()  # set: the beat thread stops
         self._beater: threading.Thread | None = None
         self._beat_s = 5.0
@@ -222,6 +234,7 @@ class Feed:
 
         from service.cluster import client_address, connect
 
+        check_service_name(service)
         with _CONNECT_LOCK:  # ranks may be threads of one process (tests, simulators)
             if not ray.is_initialized():
                 connect(client_address(address, service))
@@ -375,5 +388,18 @@ class Feed:
         return self._call("state", self.step, max(1.0, self.timeout_s - 5))
 
     def close(self) -> None:
+        """Stop beating and say goodbye: the service stops holding steps back for this rank
+        at once (the other ranks go on), instead of after `rank_timeout_s`. Idempotent; a
+        service already gone is no error."""
         self._beating.set()
-        self.server = None
+        server, self.server = self.server, None
+        if server is None or self._left:
+            return
+        self._left = True
+        import ray
+
+        try:
+            fn = server.leave.options(concurrency_group=BEAT_GROUP)
+            ray.get(fn.remote(self.rank, self.world_size), timeout=10)
+        except Exception:  # the service ended, or Ray is gone: nothing holds steps for us
+            pass

@@ -10,11 +10,26 @@ own threads, so 64 ranks blocked in `get` never starve `/v1/status`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 SERVICE_NAME = "tokenmill"
 NAMESPACE = "tokenmill"
+# A service's name is a file name (its record, `<name>.json`) and a Ray actor name: letters,
+# digits and `-_.`, starting with a letter or digit (so never `.` or `..`), at most 64.
+SERVICE_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_service_name(name: object) -> str:
+    """`name` if it is a valid service name; ValueError saying the rule otherwise."""
+    if not isinstance(name, str) or not SERVICE_NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"invalid service name {name!r}: use 1-64 letters, digits, '-', '_' or '.', "
+            "starting with a letter or digit"
+        )
+    return name
+
 
 # Batch schema (one Arrow record batch per rank per step; see wire/schema.py).
 TENSOR_COLUMNS = ("input_ids", "labels", "position_ids", "segment_ids")

@@ -179,6 +179,10 @@ def state_step(cfg: Config, state: dict, step: int) -> pa.RecordBatch:
     return next(state_steps(cfg, state, [step]))[1]
 
 
+class RankOutsideWorld(ValueError):
+    """A rank asked for that the world the rows are split among does not have."""
+
+
 def trace(
     cfg: Config,
     steps: Iterable[int],
@@ -201,6 +205,8 @@ def trace(
         raise ValueError("trace needs an export's directory or a state")
     for step, batch, written_world in batches:
         world = world_size or written_world
+        if rank is not None and not 0 <= rank < world:
+            raise RankOutsideWorld(f"rank {rank} is outside world size {world} (step {step})")
         segs = segments(batch, step, files, world, cfg.global_batch_size, decode)
         found += [s for s in segs if rank is None or s["rank"] == rank]
     return found

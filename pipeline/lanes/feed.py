@@ -104,7 +104,8 @@ class LanedFeed:
         self.docs_emitted = np.zeros(len(self.names), dtype=np.int64)
         if state is not None:
             checked = check_laned_state(state, self.config_hash, self.names,
-                                        allow_config_change, cfg.packing.mode, K)  # fmt: skip
+                                        allow_config_change, cfg.packing.mode, K,
+                                        cfg.global_batch_size)  # fmt: skip
             parts = list(checked)
             self.step = int(state[STEP])
             for part in checked:

@@ -30,7 +30,7 @@ from pipeline.read.chain import EpochChain, epochs_per_chain
 from pipeline.read.reading import Executor, Unit, group_units
 from pipeline.read.sources import data_files, plan_pieces
 from pipeline.stages.shuffle import Interleave, PieceRows, by_piece, file_order, piece_order
-from pipeline.stages.stage import Doc
+from pipeline.stages.stage import Doc, StateError
 from pipeline.tokenize.engines import BACKEND_NAMES
 from wire.arrays import valid, view
 
@@ -228,13 +228,13 @@ class DocSource:
             self.interleaved, self._pieces = False, None  # pieces of the read's size
         elif not self.interleaved and OPEN in state:
             how = "files in order" if not self.cfg.shuffle.files else "shuffle.pieces: 0"
-            raise ValueError(
+            raise StateError(
                 f"stream {self.name!r}: the resume state interleaves pieces (shuffle.pieces > 0)"
                 f" but this config reads them one at a time ({how}); resume with the shuffle "
                 "settings that wrote the state"
             )
         if self.interleaved:
-            self._open0 = _open_pieces(state[OPEN], self.name)
+            self._open0 = open_pieces(state[OPEN], self.name)
         self.start_pos = self.pos = SourcePos.from_json(state[POSITION])
         self.reported = self.read_mark = tuple(state[REPORTED])
         c, cap = self.counters, self.max_tokens
@@ -425,7 +425,7 @@ class DocSource:
         order, _ = self._order(epoch, keep)
         late = [o for o, _ in open_pieces if o >= min(next_piece, len(order))]
         if late:
-            raise ValueError(
+            raise StateError(
                 f"resume state: stream {self.name!r}: open piece {late[0]} was not opened yet "
                 f"(next piece {next_piece}, {len(order)} pieces in epoch {epoch}): a state of "
                 "other files or settings?"
@@ -605,7 +605,7 @@ class DocSource:
             self.on_reject(Reject(self.name, path, rec, reason))
 
 
-def _open_pieces(value, stream: str) -> tuple[tuple[int, int], ...]:
+def open_pieces(value, stream: str) -> tuple[tuple[int, int], ...]:
     """A state's open pieces: [[ordinal, rows drawn], ...], ordinals increasing (they open in
     order). What a writer produces; anything else is a ValueError naming the stream."""
     ok = isinstance(value, list) and all(
@@ -615,7 +615,7 @@ def _open_pieces(value, stream: str) -> tuple[tuple[int, int], ...]:
     )  # fmt: skip
     if ok and all(a[0] < b[0] for a, b in zip(value, value[1:], strict=False)):
         return tuple((int(o), int(d)) for o, d in value)
-    raise ValueError(
+    raise StateError(
         f"resume state: stream {stream!r}: {OPEN} must be [[piece, rows drawn], ...] with "
         f"increasing pieces, got {value!r:.80}"
     )

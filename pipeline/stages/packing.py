@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.stages.mixing import DeficitMixer
-from pipeline.stages.stage import Doc, Stage
+from pipeline.stages.stage import Doc, Stage, StateError
 
 
 @dataclass(slots=True)
@@ -252,7 +252,7 @@ class Packer:
                 self._replay(s, saved)
                 # The run had seen the stream end: so must the resumed one (its state, too).
                 if saved[DONE] and self._pull(s) is not None:
-                    raise ValueError(f"resume: stream {name!r} has documents past its end")
+                    raise StateError(f"resume: stream {name!r} has documents past its end")
                 # as saved: replaying counted the held documents' overflow once more
                 self.counters[s] = PackCounters(**saved[COUNTERS])
 
@@ -347,7 +347,7 @@ class ConcatPacker(Packer):
         if consumed is not None:
             pieces = self._pull(s)
             if pieces is None:
-                raise ValueError(f"resume: stream {self.names[s]!r} has no document at its cursor")
+                raise StateError(f"resume: stream {self.names[s]!r} has no document at its cursor")
             if not pieces:  # the held document is left out now: its rest goes too
                 return
             self._pulled[s] = sum(p.length for p in pieces)
@@ -469,7 +469,7 @@ class BfdPacker(Packer):
         while self.arrivals[s] < saved[ARRIVALS]:
             pieces = self._pull(s)
             if pieces is None:
-                raise ValueError(
+                raise StateError(
                     f"resume: stream {self.names[s]!r} ended while replaying the documents its "
                     "state buffers: its sources changed since the state was written (see the "
                     "rejects)"
@@ -483,7 +483,7 @@ class BfdPacker(Packer):
                 self.arrivals[s] += 1
         held = len(keep - {a for r in self._left_slots for a in r})
         if self.arrivals[s] != saved[ARRIVALS] or len(self.pools[s]) != held:
-            raise ValueError(f"resume: stream {self.names[s]!r} replay does not match the state")
+            raise StateError(f"resume: stream {self.names[s]!r} replay does not match the state")
 
     def _first_piece(self, s: int) -> Segment:
         pool = self.pools[s]

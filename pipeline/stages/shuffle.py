@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pipeline.read.access import WHOLE_FILE
+from pipeline.stages.stage import StateError
 
 if TYPE_CHECKING:
     from pipeline.read.access import Piece
@@ -138,7 +139,7 @@ class Interleave:
         if self._pending:
             _, drawn = self._pending.pop(0)
             if drawn >= rows:
-                raise ValueError(
+                raise StateError(
                     f"piece {ordinal} of epoch {self.epoch} has {rows} rows, the state has "
                     f"drawn {drawn} of them: the stream's files changed since the state"
                 )

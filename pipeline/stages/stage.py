@@ -33,6 +33,13 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+
+class StateError(ValueError):
+    """A resume state that is malformed, corrupted, or does not fit this config or its data:
+    raised by the state's checks (pipeline/state/resume.py) and by a stage whose `set_state`
+    or replay finds the state disagree with what it reads."""
+
+
 T_co = TypeVar("T_co", covariant=True)
 
 

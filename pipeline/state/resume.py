@@ -58,6 +58,8 @@ from pipeline.stages import packing as packing_keys
 from pipeline.stages import shuffle as shuffle_keys
 from pipeline.stages.documents import SourcePos
 from pipeline.stages.packing import PackCounters
+from pipeline.stages.policy import LOSSES as POLICY_LOSSES
+from pipeline.stages.stage import StateError as StateError  # re-exported: its usual home
 
 POSITION_FIELDS = len(fields(SourcePos))
 PACK_COUNTERS = [f.name for f in fields(PackCounters)]
@@ -80,10 +82,6 @@ DOCS_EMITTED = "docs_emitted"
 FINISHED = "finished"
 DIGEST = "digest"
 LANES = "lanes"  # a laned feed's state: its lanes' states, in lane order (pipeline/lanes/)
-
-
-class StateError(ValueError):
-    """A resume state that is malformed, corrupted, or does not fit this config."""
 
 
 def load_state(path: str) -> dict:
@@ -230,10 +228,11 @@ def _check_seal(state: dict) -> None:
 
 def check_state(
     state, config_hash: str, names: list[str], allow_config_change: bool,
-    packing: str | None = None,
+    packing: str | None = None, global_batch_size: int | None = None,
 ) -> dict:  # fmt: skip
     """The state, migrated to this version, if it is whole and fits this config (`names`: its
-    streams, `packing`: its packing mode, if known); else StateError naming the problem."""
+    streams, `packing`: its packing mode, `global_batch_size`: its rows a step, if known);
+    else StateError naming the problem."""
     if not isinstance(state, dict):
         raise StateError(f"resume state must be a JSON object, got {type(state).__name__}")
     version = state.get(VERSION)
@@ -259,6 +258,9 @@ def check_state(
         state = migrate(state, written)
     _check_fields(state, written)
     _check_consistent(state, written)
+    feed = state[FEED]
+    _check_step(state, feed[ROWS], feed[FINISHED],
+                global_batch_size if state[CONFIG_HASH] == config_hash else None)  # fmt: skip
     streams = sorted(state[PACKER][packing_keys.STREAMS])
     if streams != sorted(names) and not allow_config_change:
         raise StateError(
@@ -281,7 +283,7 @@ def check_state(
 
 def check_laned_state(
     state, config_hash: str, names: list[str], allow_config_change: bool, packing: str,
-    lanes: int,
+    lanes: int, global_batch_size: int | None = None,
 ) -> list[dict]:  # fmt: skip
     """The lanes' states of a laned feed's state (`{version, config_hash, step, lanes: [...],
     digest}`), each checked as a feed's state; StateError if the state is not whole, has
@@ -298,6 +300,7 @@ def check_laned_state(
             f"resume state has version {state.get(VERSION)!r}, expected {STATE_VERSION}"
         )
     _check_seal(state)
+    _only(state, {VERSION, CONFIG_HASH, STEP, LANES, DIGEST, POLICY_LOSSES}, "the state")
     parts = state[LANES]
     if not isinstance(parts, list) or len(parts) != lanes:
         got = len(parts) if isinstance(parts, list) else type(parts).__name__
@@ -315,6 +318,10 @@ def check_laned_state(
         if part[STEP] != step:
             raise StateError(f"lane {k}: at step {part[STEP]}, the state is at step {step}")
         out.append(part)
+    rows = sum(part[FEED][ROWS] for part in out)  # each lane makes its share of every step
+    same = all(part[CONFIG_HASH] == config_hash for part in out)
+    _check_step(state, rows, any(part[FEED][FINISHED] for part in out),
+                global_batch_size if same else None, "the lanes' feed.rows")  # fmt: skip
     return out
 
 
@@ -324,7 +331,40 @@ def _packing_of(state: dict) -> str:
     return "bfd" if ("pools" if state[VERSION] != STATE_VERSION else ROWS) in packer else "concat"
 
 
+# Steps are counted in int64 by the trainers and the wire (the API takes steps up to 2**62).
+MAX_STEP = 1 << 62
+
+
+def _only(obj: dict, allowed: set[str], where: str) -> None:
+    """No key a writer does not write: an unknown one is a typo or an edit, never ignored."""
+    unknown = sorted(str(k) for k in obj if k not in allowed)
+    if unknown:
+        raise StateError(
+            f"resume state: {where} has unknown key(s) {unknown}; it may hold {sorted(allowed)}"
+        )
+
+
+def _check_step(state: dict, rows: int, finished: bool, global_batch_size: int | None,
+                where: str = "feed.rows") -> None:  # fmt: skip
+    """The step agrees with the rows the state says were made: G rows a step, the last step
+    of a finished run possibly short. Checked when the state's config is this one (a resume
+    with another config may change G)."""
+    step = state[STEP]
+    if step > MAX_STEP:
+        raise StateError(f"resume state: step must be at most 2**62, got {step}")
+    G = global_batch_size
+    if G is None:
+        return
+    ok = (step - 1) * G < rows <= step * G if finished and step else rows == step * G
+    if not ok:
+        raise StateError(
+            f"resume state: step {step} does not agree with {where} {rows} ({G} rows a step"
+            + (", the last one possibly short)" if finished else ")")
+        )
+
+
 def _check_fields(state: dict, packing: str) -> None:
+    _only(state, {VERSION, CONFIG_HASH, STEP, PACKER, FEED, DIGEST, POLICY_LOSSES}, "the state")
     _count(state, STEP)
     _type(state, CONFIG_HASH, str)
     packer = _type(state, PACKER, dict)
@@ -338,7 +378,11 @@ def _check_fields(state: dict, packing: str) -> None:
     _check_mixer(_type(packer, packing_keys.MIXER, dict, "packer.mixer"), names)
     if packing_keys.SKIPS in packer:
         _check_skips(_type(packer, packing_keys.SKIPS, dict, "packer.skips"), names)
+    _only(packer, {packing_keys.STREAMS, packing_keys.MIXER, packing_keys.FINISHED,
+                   packing_keys.SKIPS} | ({packing_keys.ROWS} if packing == "bfd" else set()),
+          "packer")  # fmt: skip
     feed = _type(state, FEED, dict)
+    _only(feed, {ROWS, REAL_TOKENS, DOCS_EMITTED, FINISHED}, "feed")
     _count(feed, ROWS, "feed.rows")
     _count(feed, REAL_TOKENS, "feed.real_tokens")
     _per_stream(feed, DOCS_EMITTED, "feed.docs_emitted", names, _is_count)
@@ -348,17 +392,28 @@ def _check_fields(state: dict, packing: str) -> None:
 def _check_stream(streams: dict, name: str, packing: str) -> None:
     where = f"packer.streams.{name}"
     st = _type(streams, name, dict, where)
+    own = {packing_keys.CONSUMED} if packing == "concat" else {packing_keys.BASE, packing_keys.ARRIVALS, packing_keys.POOL}  # fmt: skip
+    _only(st, {packing_keys.INPUT, packing_keys.DONE, packing_keys.COUNTERS} | own, where)
     window = _type(st, packing_keys.INPUT, dict, f"{where}.input")  # WindowShuffle's state
+    _only(window, {shuffle_keys.WINDOW, shuffle_keys.OFFSET, shuffle_keys.EPOCH,
+                   shuffle_keys.INPUT}, f"{where}.input")  # fmt: skip
     _count(window, shuffle_keys.WINDOW, f"{where}.input.window")
     _count(window, shuffle_keys.OFFSET, f"{where}.input.offset")
     _count(window, shuffle_keys.EPOCH, f"{where}.input.epoch")
     source = _type(window, shuffle_keys.INPUT, dict, f"{where}.input.input")  # DocSource's
+    _only(source, {doc_keys.POSITION, doc_keys.REPORTED, doc_keys.OPEN}, f"{where}.input.input")
+    if doc_keys.OPEN in source:
+        try:
+            doc_keys.open_pieces(source[doc_keys.OPEN], name)
+        except ValueError as e:
+            raise StateError(f"{e} (at {where}.input.input.open)") from None
     _counts(source, doc_keys.POSITION, f"{where}.input.input.position", POSITION_FIELDS)
     mark = _list(source, doc_keys.REPORTED, 3, f"{where}.input.input.reported")
     if not all(_is_int(v) and v >= -1 for v in mark):  # (epoch, unit, row)
         raise StateError(f"resume state: {where}.input.input.reported must be integers >= -1")
     _type(st, packing_keys.DONE, bool, f"{where}.done")
     counters = _type(st, packing_keys.COUNTERS, dict, f"{where}.counters")
+    _only(counters, set(PACK_COUNTERS), f"{where}.counters")
     for key in PACK_COUNTERS:
         _count(counters, key, f"{where}.counters.{key}")
     if packing == "concat":
@@ -418,6 +473,10 @@ def _check_skips(skips: dict, names: list[str]) -> None:
 def _check_mixer(mixer: dict, names: list[str]) -> None:
     def weight(v) -> bool:
         return _finite(v) and v >= 0
+
+    _only(mixer, {mixing_keys.HISTORY, mixing_keys.TARGET, mixing_keys.PLACED, mixing_keys.ALIVE,
+                  mixing_keys.WEIGHTS, mixing_keys.STEP, mixing_keys.STOPPED,
+                  mixing_keys.EXHAUSTED, mixing_keys.HISTORY_DROPPED}, "packer.mixer")  # fmt: skip
 
     _per_stream(mixer, mixing_keys.TARGET, "packer.mixer.target", names, weight)
     _per_stream(mixer, mixing_keys.WEIGHTS, "packer.mixer.weights", names, weight)

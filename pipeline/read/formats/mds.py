@@ -200,20 +200,25 @@ def iter_samples(
             raise PieceError(f"missing column {field!r} (columns: {names})")
     data = _shard_bytes(piece.path, meta, access)
     n = int(meta.get("samples", 0))
-    try:
-        if len(data) < 4 * (n + 2):
-            raise ValueError(f"{len(data)} bytes is too short for {n} samples")
-        (count,) = np.frombuffer(data[:4], np.uint32)
-        if count != n:
-            raise ValueError(f"header says {count} samples, index.json says {n}")
-        offsets = np.frombuffer(data[4 : 4 * (n + 2)], np.uint32).astype(np.int64)
-        if offsets[-1] > len(data) or np.any(np.diff(offsets) < 0):
-            raise ValueError("sample offsets run past the end of the shard (truncated?)")
-    except ValueError as e:
-        raise PieceError(f"corrupt MDS shard: {e}") from e
+    head = 4 * (n + 2)  # the sample count, then n + 1 offsets
+    if len(data) < head:  # cut inside the offset table: no sample can be found
+        for i in range(n):
+            yield i, None, f"truncated MDS shard: {len(data)} bytes, its offset table needs {head}"
+        return
+    (count,) = np.frombuffer(data[:4], np.uint32)
+    if count != n:
+        raise PieceError(f"corrupt MDS shard: header says {count} samples, index.json says {n}")
+    offsets = np.frombuffer(data[4:head], np.uint32).astype(np.int64)
+    # A damaged shard (cut short, offsets overwritten) gives up only the samples whose bytes
+    # are not there; each is a counted skip naming why, and the others are read.
     for i in range(n):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        if not head <= lo <= hi <= len(data):
+            why = "past the end of the shard (truncated?)" if hi > len(data) else "out of order"
+            yield i, None, f"corrupt MDS shard: sample {i}'s bytes [{lo}, {hi}) are {why}"
+            continue
         try:
-            yield i, reader.decode_sample(data[offsets[i] : offsets[i + 1]]), None
+            yield i, reader.decode_sample(data[lo:hi]), None
         except Exception as e:
             yield i, None, f"corrupt sample: {type(e).__name__}: {e}"
 
