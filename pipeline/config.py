@@ -433,9 +433,14 @@ class ServiceConfig(_Frozen):
     # Serve mode appends skipped records here (relative: to the `serve` working directory);
     # None: count them only.
     rejects: str | None = "rejects.jsonl"
-    # Custom Ray resources the batch-server actor asks for, to place it on a chosen node
-    # (e.g. {"tokenmill_service": 0.01} with `ray start --resources '{"tokenmill_service": 1}'`).
+    # Custom Ray resources the batch-server actor and its lanes ask for, to place them on
+    # chosen nodes (e.g. {"data": 1} with `ray start --resources '{"data": 8}'` on the data
+    # nodes); the lanes are spread over the nodes that have them.
     resources: dict[str, float] = Field(default_factory=dict)
+    # What the batch server (the control: hello, weights, states, the API's answers) asks
+    # instead, when it should not sit with the lanes: e.g. {"head": 0.01} keeps it on a node
+    # that is never lost with a data node. None: `resources`, as the lanes.
+    control_resources: dict[str, float] | None = None
     # Global steps the server may make ahead of the slowest rank. None: 32, fewer when 32
     # steps would hold more than 256 MB of token ids, never fewer than 8 (server.py,
     # prefetch_window). A rank takes up to this many in one call; a mixture change lands at

@@ -11,17 +11,22 @@ joining some other cluster.
 
 Token authentication (Ray 2.5x). A cluster started with `RAY_AUTH_MODE=token` refuses clients
 without its token, and Ray itself only looks for one when the mode is set by hand or the
-address is found automatically. We look where Ray documents it (`RAY_AUTH_TOKEN`,
-`RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`) and turn token mode on when a token is there;
-a cluster without authentication accepts such a client too. Before `ray.init`, a single gRPC
-call to the cluster's GCS (5 s) tells an unreachable cluster, a missing token and a wrong
-token apart, so the user gets one line that says what to do instead of Ray's 20 s of retries.
+address is found automatically. A driver in token mode against a cluster *without* auth is
+no better: every actor it creates is cancelled before it runs. So the client follows the
+cluster (`follow_auth`): one gRPC call to its GCS without a token (5 s at most) says whether
+it uses token auth; if so we turn token mode on with the token where Ray documents it
+(`RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`) and ask once more, so that an
+unreachable cluster, a missing token and a wrong token each get one line that says what to do
+instead of Ray's 20 s of retries; if not, token mode stays off (RAY_AUTH_MODE=token set by
+hand is overridden, with a warning).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -118,6 +123,62 @@ def _token_mode() -> None:
     _enable_token_auth()  # sets RAY_AUTH_MODE=token and reloads Ray's cached config
 
 
+def follow_auth(gcs: str) -> None:
+    """Use the auth the cluster at `gcs` uses, decided by asking it (one call without a token).
+
+    A cluster with token auth gets our token (ClusterError if there is none, or it is refused,
+    or RAY_AUTH_MODE=disabled was asked for). A cluster without it gets no token mode: a driver
+    in token mode against such a cluster has every actor it creates cancelled before it runs,
+    so RAY_AUTH_MODE=token set by hand is overridden for this process, saying so."""
+    import logging
+
+    asked = os.environ.get("RAY_AUTH_MODE")
+    with _auth_mode("disabled"):
+        needs_token = probe(gcs, allow_unauthenticated=True)
+    if needs_token:
+        if asked is not None and asked.lower() == "disabled":
+            raise ClusterError(
+                f"the Ray cluster at {gcs} requires token authentication but "
+                "RAY_AUTH_MODE=disabled is set: unset it"
+            )
+        if not auth_token_available():
+            raise ClusterError(
+                f"the Ray cluster at {gcs} requires an auth token and none was found: {_TOKEN_HELP}"
+            )
+        _token_mode()
+        probe(gcs)  # the token itself: refused names it
+        return
+    if asked is not None and asked.lower() == "token":
+        logging.getLogger("tokenmill").warning(
+            "the Ray cluster at %s does not use token authentication: RAY_AUTH_MODE=token is "
+            "ignored (a driver in token mode has its actors cancelled there); unset it",
+            gcs,
+        )
+    _set_auth_mode("disabled")
+
+
+@contextlib.contextmanager
+def _auth_mode(mode: str) -> Iterator[None]:
+    """RAY_AUTH_MODE=`mode` for this process while in the block (Ray reads it into its cached
+    config, which is reloaded on both ways)."""
+    before = os.environ.get("RAY_AUTH_MODE")
+    _set_auth_mode(mode)
+    try:
+        yield
+    finally:
+        _set_auth_mode(before)
+
+
+def _set_auth_mode(mode: str | None) -> None:
+    from ray._raylet import Config
+
+    if mode is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = mode
+    Config.initialize("")
+
+
 def gcs_address(address: str) -> str | None:
     """host:port of the GCS that `address` names (resolving `auto`); None for `ray://`."""
     if address.startswith("ray://"):
@@ -127,8 +188,12 @@ def gcs_address(address: str) -> str | None:
     return canonicalize_bootstrap_address_or_die(address)
 
 
-def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """One gRPC call to the GCS at `address`; raises ClusterError with advice on failure."""
+def probe(
+    address: str, timeout_s: float = PROBE_TIMEOUT_S, allow_unauthenticated: bool = False
+) -> bool:
+    """One gRPC call to the GCS at `address`; raises ClusterError with advice on failure.
+    With `allow_unauthenticated`, a refusal for want of a token returns True instead (the
+    cluster uses token auth); False: the call was answered."""
     import grpc
     from ray._private.gcs_utils import create_gcs_channel
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
@@ -142,6 +207,8 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     except grpc.RpcError as e:
         code = e.code() if hasattr(e, "code") else None
         if code == grpc.StatusCode.UNAUTHENTICATED:
+            if allow_unauthenticated:
+                return True
             if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
                 what = "requires token authentication but RAY_AUTH_MODE=disabled is set: unset it"
             elif auth_token_available():
@@ -160,6 +227,7 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         ) from None
     finally:
         channel.close()
+    return False
 
 
 def connect(
@@ -191,10 +259,11 @@ def connect(
         configure_logging=False,
     )
     if address:
-        enable_token_auth()
         gcs = gcs_address(address)
         if gcs:
-            probe(gcs)
+            follow_auth(gcs)
+        else:  # ray:// (Ray Client): no GCS to ask; a token, where there is one, is sent
+            enable_token_auth()
         ray.init(address=gcs or address, **kwargs)
         return False
     if object_store_memory is None:

@@ -74,7 +74,9 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
         concurrency_groups=dict(CONCURRENCY_GROUPS),
         max_restarts=0,
     )(BatchServer)
-    placement = {"resources": dict(cfg.service.resources)} if cfg.service.resources else {}
+    control = cfg.service.control_resources
+    asks = cfg.service.resources if control is None else control
+    placement = {"resources": dict(asks)} if asks else {}
     since = time.monotonic()
     actor = actor_class.options(name=name, namespace=NAMESPACE, **placement).remote(
         cfg.model_dump(mode="json", context=REVEAL_SECRETS), resume, prefetch, 10_000, cfg.service.rank_timeout_s,
@@ -89,8 +91,7 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
         limit, whence = limit * 2, f"twice service.place_timeout_s {limit:g} s: it, then its lanes"
     first = actor.status.remote()
     try:
-        wait_placed(first, f"the batch server {name!r}", cfg.service.resources, limit, since,
-                    whence)  # fmt: skip
+        wait_placed(first, f"the batch server {name!r}", asks, limit, since, whence)
         ray.get(first)
     except BaseException:
         ray.kill(actor)  # a server left waiting to be placed would hold its name

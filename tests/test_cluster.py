@@ -84,6 +84,24 @@ def test_wrong_or_missing_token_is_one_clear_line_within_10s(foreign, config, tm
     assert len(errors) == 1, missing.stderr
 
 
+def test_a_cluster_without_token_auth_is_followed_whatever_the_client_holds(config, tmp_path):
+    """A cluster started without token auth, and a client that holds a token (or even has
+    RAY_AUTH_MODE=token set): the client follows the cluster and runs no token mode, whose
+    actors such a cluster cancels before they run. An export joining it (its tokenizer pool
+    is actors) writes its steps; with the mode set by hand it says it was ignored."""
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    with ray_head(BASE_ENV | {"RAY_AUTH_MODE": "disabled"}) as head:
+        env = BASE_ENV | {"RAY_AUTH_TOKEN_PATH": str(token), "TMPDIR": str(tmp_path)}
+        for extra, warned in (({}, False), ({"RAY_AUTH_MODE": "token"}, True)):
+            out = tmp_path / f"out{int(warned)}"
+            r = tokenmill("export", "--config", str(config), "--out", str(out), "--steps", "2",
+                          "--address", head["gcs"], env=env | extra, timeout=240)  # fmt: skip
+            assert r.returncode == 0, r.stderr[-3000:]
+            assert json.loads((out / "summary.json").read_text())["steps_written"] == 2
+            assert ("does not use token authentication" in r.stderr) == warned, r.stderr[-2000:]
+
+
 def test_feed_connect_refuses_to_guess_between_clusters(foreign, ray_cluster):
     """The session's cluster and the foreign one both run here, and no service 'x' is
     recorded: no address is ambiguous, and the error lists the clusters."""

@@ -431,7 +431,8 @@ def test_page_shows_each_lane_the_slowest_a_restart_and_one_waiting_to_be_placed
     assert browser.execute_script(LANES_VIEW)["hidden"]  # one feed: no lanes to show
     server.m |= {
         "lanes": [
-            {"lane": 0, "pid": 4101, "host": "data-0", "waiting_s": None, "restarts": 0,
+            {"lane": 0, "pid": 4101, "host": "data-0", "node_ip": "10.0.0.7",
+             "node_id": "3f1e9a0c77d2", "waiting_s": None, "restarts": 0,
              "held_steps": 80, "making_s": 41.5, "making_cpu_s": 39.8},
             {"lane": 1, "pid": None, "host": None, "waiting_s": 12.4, "restarts": 1,
              "held_steps": 64, "making_s": 20.0, "making_cpu_s": 9.0},
@@ -446,7 +447,7 @@ def test_page_shows_each_lane_the_slowest_a_restart_and_one_waiting_to_be_placed
         time.sleep(0.5)
     assert not view["hidden"]
     first, second = view["rows"]
-    assert first["lane"] == "0 (slowest)" and first["process"] == "pid 4101 on data-0"
+    assert first["lane"] == "0 (slowest)" and first["process"] == "pid 4101 on data-0, node 10.0.0.7 3f1e9a0c"
     assert first["held steps"] == "80" and first["making, s"] == "41.5"
     assert first["CPU ÷ wall"] == "0.96" and first["restarts"] == "0"
     assert second["lane"] == "1" and second["process"] == "waiting to be placed, 12 s"

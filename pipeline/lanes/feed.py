@@ -223,7 +223,11 @@ class LanedFeed:
             LaneWorker
         )
         resources = self.cfg.service.resources
-        opts = {"resources": dict(resources)} if resources else {}
+        # SPREAD: the lanes go to different nodes of those that can hold them (the data nodes,
+        # with `service.resources`), not wherever the scheduler packs them first.
+        opts: dict = {"scheduling_strategy": "SPREAD"}
+        if resources:
+            opts["resources"] = dict(resources)
         handle = actor.options(**opts).remote(*args, expect=expect)
         return ActorLane(handle, f"lane {k} of {len(self._args)}", resources,
                          self.cfg.service.place_timeout_s)  # fmt: skip
@@ -537,7 +541,7 @@ class LanedFeed:
         out = []
         now = time.monotonic()
         for k, lane in enumerate(self.lanes):
-            where = {"pid": None, "host": None}
+            where = {"pid": None, "host": None, "node_id": None, "node_ip": None}
             started = lane.ready(lane.where)
             if started:
                 with contextlib.suppress(Exception):  # a lane that died says nothing

@@ -4,6 +4,7 @@ rank its rows on threads of its own until every rank has them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -232,9 +233,21 @@ class LaneWorker:
         return self.feed.set_weights(weights, step, source)
 
     def process(self) -> dict:
-        """Where this lane runs: its process id and host (metrics `lanes`, benches that pin
-        a lane to a core)."""
-        return {"pid": os.getpid(), "host": socket.gethostname()}
+        """Where this lane runs: its process id, host, and Ray node (id and address: several
+        nodes may share a host) (metrics `lanes`, the page, benches that pin a lane to a core)."""
+        node_id = node_ip = None
+        with contextlib.suppress(Exception):  # a lane made in-process (LocalLane) has no node
+            import ray
+
+            if ray.is_initialized():
+                node_id = ray.get_runtime_context().get_node_id()
+                node_ip = ray.util.get_node_ip_address()
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node_id": node_id,
+            "node_ip": node_ip,
+        }
 
     def state(self) -> Kept:
         """The lane's state now (before its first step: where it starts), kept."""

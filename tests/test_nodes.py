@@ -1,0 +1,116 @@
+"""The plane on several Ray nodes of this machine (tests/nodes.py: each its own raylet and
+object store): a head that holds the control, two data nodes that hold the lanes, spread one
+a node, and ranks that pull while a data node is lost. The cluster runs without token auth,
+which the clients follow (they hold a token; in token mode their actors would be cancelled)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import yaml
+
+from pipeline.read.resolve import parse_config
+from tests.conftest import stdlib_texts, write_jsonl
+from tests.nodes import nodes
+from tests.rayhead import serve_process
+from tests.test_ranks import exported
+
+pytestmark = pytest.mark.slow
+STEPS = 40
+UNSET = ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR")
+MB = 1 << 20
+
+# Two ranks of one process (threads), pulling slowly; each step's rows saved.
+RANKS = r"""
+import sys, threading, time, numpy as np
+from trainer.feed import Feed
+address, name, steps, out, delay = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+got = {}
+def rank(r):
+    feed = Feed.connect(service=name, rank=r, world_size=2, address=address, timeout_s=120)
+    rows = []
+    for _ in range(steps):
+        b = next(feed)
+        rows.append((b["global_step"], b["input_ids"].numpy(), b["labels"].numpy()))
+        time.sleep(delay)
+    got[r] = rows
+    feed.close()
+threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+for t in threads: t.start()
+for t in threads: t.join()
+np.savez(out, **{f"{r}_{k}": np.stack([x[i] for x in got[r]]) for r in got
+                 for i, k in enumerate(("steps", "ids", "labels"))})
+"""
+
+
+def _metrics(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/metrics", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _lane_nodes(port: int, n: int, timeout_s: float = 120) -> list[str]:
+    deadline = time.time() + timeout_s
+    while True:
+        lanes = _metrics(port).get("lanes") or []
+        found = [lane.get("node_id") for lane in lanes]
+        if len(found) == n and all(found):
+            return found
+        assert time.time() < deadline, f"the lanes did not say where they run: {lanes}"
+        time.sleep(0.5)
+
+
+def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
+    for name in ("a", "b"):  # two files: each lane reads whole pieces
+        write_jsonl(
+            tmp_path / f"{name}.jsonl", stdlib_texts(30, start=40 * (name == "b"), max_bytes=3000)
+        )
+    raw = {"seed": 5, "seq_len": 64, "global_batch_size": 4, "lanes": 2, "shuffle": {"window": 4},
+           "streams": {"a": {"paths": [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]}},
+           "service": {"resources": {"data": 1}, "control_resources": {"control": 0.01},
+                       "lane_restarts": 3}}  # fmt: skip
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
+    want = exported(parse_config(raw), tmp_path, STEPS, 2)
+    env = {k: v for k, v in os.environ.items() if k not in UNSET}
+    token = tmp_path / "token"  # the clients hold a token; the cluster asks none
+    token.write_text("a" * 64)
+    env |= {"TOKENMILL_CACHE": str(tmp_path / "cache"), "RAY_AUTH_TOKEN_PATH": str(token)}
+    store = {"object_store_memory": 100 * MB}
+    head = {"num_cpus": 0, "resources": {"control": 1}, **store}
+    data = {"num_cpus": 2, "resources": {"data": 4}, **store}
+    nodes_env = env | {"RAY_AUTH_MODE": "disabled"}
+    with (
+        nodes(head, [data, data], nodes_env, tmp_path / "nodes.log") as c,
+        serve_process(tmp_path / "c.yaml", c.address, "multi", tmp_path, env) as svc,
+    ):
+        placed = _lane_nodes(svc["port"], 2)
+        assert sorted(placed) == sorted(c.nodes), (placed, c.nodes)  # one lane a data node
+        out = tmp_path / "rows.npz"
+        ranks = subprocess.Popen([sys.executable, "-c", RANKS, c.address, "multi", str(STEPS),
+                                  str(out), "0.25"], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.time() + 120
+        while True:  # the ranks are well into the run: then lane 0's node is lost
+            ranks_at = [
+                r.get("consumed_step") or 0 for r in _metrics(svc["port"])["ranks"].values()
+            ]
+            if len(ranks_at) == 2 and min(ranks_at) >= 8:
+                break
+            assert time.time() < deadline and ranks.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        c.remove(placed[0])
+        _, err = ranks.communicate(timeout=300)
+        assert ranks.returncode == 0, err[-3000:] + svc["log"].read_text()[-3000:]
+        m = _metrics(svc["port"])
+        assert [r["lane"] for r in m["lanes_restarted"]] == [0], m["lanes_restarted"]
+        now = [lane["node_id"] for lane in m["lanes"]]
+        assert now[0] == placed[1] and now[1] == placed[1], now  # the survivor holds both
+    rows = np.load(out)
+    for r in range(2):
+        assert rows[f"{r}_steps"].tolist() == list(range(STEPS))
+        for s in range(STEPS):  # every step exactly once, byte for byte the export's
+            np.testing.assert_array_equal(rows[f"{r}_ids"][s], want[(s, r)][0])
+            np.testing.assert_array_equal(rows[f"{r}_labels"][s], want[(s, r)][1])
