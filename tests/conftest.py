@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,20 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Isolation: the suite never meets the user's own tokenmill. Each test process (each xdist
+# worker too) has its own service records and cache (a `serve` the user runs, named
+# `tokenmill`, or the user's TOKENMILL_CACHE, cannot change a result) and its own Ray temp
+# folder, and nothing in the environment sends it to a cluster, a service or a port of the
+# user's. Tests that need one of these set it themselves.
+ISOLATED = Path(tempfile.mkdtemp(prefix="tmt", dir="/tmp"))  # short: Ray's AF_UNIX paths
+os.environ["TOKENMILL_CACHE"] = str(ISOLATED / "cache")
+os.environ["RAY_TMPDIR"] = str(ISOLATED)
+for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKENMILL_PORT",
+             "TOKENMILL_HOST", "TOKENMILL_API_TOKEN", "TOKENMILL_API_TOKEN_FILE",
+             "TOKENMILL_TIMEOUT_S", "TOKENMILL_OBJECT_STORE_BYTES", "RAY_AUTH_MODE"):  # fmt: skip
+    os.environ.pop(_key, None)
+atexit.register(shutil.rmtree, ISOLATED, ignore_errors=True)
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
