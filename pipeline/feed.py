@@ -126,7 +126,7 @@ class Feed:
         self.finished = False
         if state is not None:
             state = check_state(state, self.config_hash, self.names, allow_config_change,
-                                cfg.packing.mode, cfg.global_batch_size)  # fmt: skip
+                                cfg.packing.mode, self.step_rows)  # fmt: skip
             self.set_state(state)
         if leave_out is not None:
             self.packer.leave_out(leave_out.docs, self.step, leave_out.why)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,20 +22,24 @@ from tests.rayhead import serve_process
 from tests.test_ranks import exported
 
 pytestmark = pytest.mark.slow
-STEPS = 40
+STEPS = 160  # well past what the lanes make ahead (64 steps) when the node is lost
 UNSET = ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR")
 MB = 1 << 20
 
 # Two ranks of one process (threads), pulling slowly; each step's rows saved.
 RANKS = r"""
-import sys, threading, time, numpy as np
+import os, sys, threading, time, numpy as np
 from trainer.feed import Feed
 address, name, steps, out, delay = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
 got = {}
 def rank(r):
     feed = Feed.connect(service=name, rank=r, world_size=2, address=address, timeout_s=120)
     rows = []
-    for _ in range(steps):
+    for i in range(steps):
+        if i == 10:  # told where they are, then held until the test has removed a node
+            open(f"{out}.at10.{r}", "w").close()
+            while not os.path.exists(f"{out}.go"):
+                time.sleep(0.05)
         b = next(feed)
         rows.append((b["global_step"], b["input_ids"].numpy(), b["labels"].numpy()))
         time.sleep(delay)
@@ -67,7 +72,7 @@ def _lane_nodes(port: int, n: int, timeout_s: float = 120) -> list[str]:
 def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
     for name in ("a", "b"):  # two files: each lane reads whole pieces
         write_jsonl(
-            tmp_path / f"{name}.jsonl", stdlib_texts(30, start=40 * (name == "b"), max_bytes=3000)
+            tmp_path / f"{name}.jsonl", stdlib_texts(60, start=60 * (name == "b"), max_bytes=3000)
         )
     raw = {"seed": 5, "seq_len": 64, "global_batch_size": 4, "lanes": 2, "shuffle": {"window": 4},
            "streams": {"a": {"paths": [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]}},
@@ -91,21 +96,20 @@ def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
         assert sorted(placed) == sorted(c.nodes), (placed, c.nodes)  # one lane a data node
         out = tmp_path / "rows.npz"
         ranks = subprocess.Popen([sys.executable, "-c", RANKS, c.address, "multi", str(STEPS),
-                                  str(out), "0.25"], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                                  str(out), "0.02"], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
         deadline = time.time() + 120
-        while True:  # the ranks are well into the run: then lane 0's node is lost
-            ranks_at = [
-                r.get("consumed_step") or 0 for r in _metrics(svc["port"])["ranks"].values()
-            ]
-            if len(ranks_at) == 2 and min(ranks_at) >= 8:
-                break
+        while not all(Path(f"{out}.at10.{r}").exists() for r in range(2)):  # 10 steps in
             assert time.time() < deadline and ranks.poll() is None, "the ranks did not start"
-            time.sleep(0.2)
+            time.sleep(0.1)
         c.remove(placed[0])
+        Path(f"{out}.go").touch()
         _, err = ranks.communicate(timeout=300)
         assert ranks.returncode == 0, err[-3000:] + svc["log"].read_text()[-3000:]
         m = _metrics(svc["port"])
-        assert [r["lane"] for r in m["lanes_restarted"]] == [0], m["lanes_restarted"]
+        # Lane 0 only (twice at most: a lane started again while the lost node is still
+        # counted alive may land there and die with it, then starts on the survivor).
+        assert {r["lane"] for r in m["lanes_restarted"]} == {0}, m["lanes_restarted"]
+        assert len(m["lanes_restarted"]) <= 2, m["lanes_restarted"]
         now = [lane["node_id"] for lane in m["lanes"]]
         assert now[0] == placed[1] and now[1] == placed[1], now  # the survivor holds both
     rows = np.load(out)

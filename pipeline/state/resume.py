@@ -231,8 +231,9 @@ def check_state(
     packing: str | None = None, global_batch_size: int | None = None,
 ) -> dict:  # fmt: skip
     """The state, migrated to this version, if it is whole and fits this config (`names`: its
-    streams, `packing`: its packing mode, `global_batch_size`: its rows a step, if known);
-    else StateError naming the problem."""
+    streams, `packing`: its packing mode, `global_batch_size`: the rows a step of this feed
+    makes, if known: a lane's share of G for a lane's state); else StateError naming the
+    problem."""
     if not isinstance(state, dict):
         raise StateError(f"resume state must be a JSON object, got {type(state).__name__}")
     version = state.get(VERSION)
