@@ -324,7 +324,7 @@ def cmd_trace(args) -> int:
 def cmd_stop(args) -> int:
     from service.serve import run_stop
 
-    return run_stop(args.name, args.address)
+    return run_stop(args.name, args.address, timeout_s=args.timeout, now=args.now)
 
 
 def cmd_status(args) -> int:
@@ -599,6 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if verb == "status":
             x.add_argument("--json", action="store_true", help="status and metrics as JSON")
+        else:
+            x.add_argument("--now", action="store_true",
+                           help="end every rank at once, without the steps already made")  # fmt: skip
+            x.add_argument("--timeout", type=float, default=600.0,
+                           help="seconds to wait for the drain before killing serve (600)")  # fmt: skip
         x.set_defaults(func=func)
 
     e = command("export", "write the served batch sequence to files")

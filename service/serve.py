@@ -248,7 +248,18 @@ def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,
 
     drained_at, last_print, last_why, slow_since = None, 0.0, "", None
     own_job = ray.get_runtime_context().get_job_id()
-    while not stop.is_set():
+    signalled = False
+    while True:
+        if stop.is_set():  # SIGTERM, Ctrl-C: the first drains as `tokenmill stop` does
+            if signalled:
+                print("tokenmill: second signal: stopping now", flush=True)
+                return 0
+            signalled = True
+            stop.clear()
+            print("tokenmill: signal received: draining (every rank gets the steps made, then "
+                  "its end); a second signal stops at once", flush=True)  # fmt: skip
+            with contextlib.suppress(Exception):
+                backend.call("request_stop")
         try:
             backend.call("heartbeat", owner)
             rejects.append(backend.call("drain_rejects"))
@@ -266,27 +277,33 @@ def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,
         if m is not None:
             last_print = now
             print(_progress_line(st, m), flush=True)
-        if st["state"] == STOPPING:
-            print("tokenmill: stopped by request", flush=True)
-            return 0
         if st["state"] == FAILED:
             print(f"tokenmill: the feed failed: {st['error']}", file=sys.stderr)
             return 1
+        # The drain: at the end of the data, or after `tokenmill stop`, once every rank has had
+        # its end, and on an embedded Ray once their processes left it (their Ray client
+        # dies with it: a rank writing its final checkpoint must not lose its cluster).
+        stopping = st["state"] == STOPPING
         if st.get("drained"):
             drained_at = drained_at or now
             left = _rank_jobs_alive(backend, own_job) if embedded else []
-            if not left and now - drained_at >= linger_s:
-                print("tokenmill: the data ended and every rank has taken its last step",
-                      flush=True)  # fmt: skip
+            if not left and now - drained_at >= (0.0 if stopping else linger_s):
+                print("tokenmill: " + ("stopped by request" if stopping else "the data ended")
+                      + ": every rank has taken its last step", flush=True)  # fmt: skip
                 return 0
-            why = (f"tokenmill: the data ended; waiting for {len(left)} rank process(es) to "
-                   "leave this Ray before it stops (`tokenmill stop` ends it now)")  # fmt: skip
+            why = (f"tokenmill: {'stopping' if stopping else 'the data ended'}; waiting for "
+                   f"{len(left)} rank process(es) to leave this Ray before it stops "
+                   "(a second signal ends it now)")  # fmt: skip
             if left and why != last_why and now - drained_at >= 5.0:
                 print(why, flush=True)
                 last_why = why
+        elif stopping:
+            waiting = st.get("ranks_to_end") or []
+            why = f"tokenmill: stopping: ranks {waiting} still have steps made before the stop"
+            if waiting and why != last_why and now - last_print >= 10:
+                print(why, flush=True)
+                last_why, last_print = why, now
         stop.wait(1.0)
-    print("tokenmill: signal received, stopping", flush=True)
-    return 0
 
 
 def _progress_line(st: dict, m: dict) -> str:
@@ -403,8 +420,10 @@ def run_status(name: str, address: str | None, as_json: bool = False) -> int:
     return 0
 
 
-def run_stop(name: str, address: str | None, timeout_s: float = 15.0) -> int:
-    """Ask the service to stop; its serve process drains and exits. Kill it if it does not."""
+def run_stop(name: str, address: str | None, timeout_s: float = 600.0, now: bool = False) -> int:
+    """Ask the service to stop; its serve process drains (every rank gets the steps made,
+    then its end; `now`: its end at once) and exits once every rank had its end and, on the
+    serve's own Ray, left it. Killed if it has not exited within `timeout_s`."""
     import ray
 
     from service.cluster import shutdown
@@ -414,13 +433,17 @@ def run_stop(name: str, address: str | None, timeout_s: float = 15.0) -> int:
         if actor is None:
             return 1
         with contextlib.suppress(Exception):
-            ray.get(actor.request_stop.remote(), timeout=5)
+            ray.get(actor.request_stop.remote(now), timeout=5)
         rec = read_record(name)
         pid = None if rec is None else local_pid(rec)
         if pid is not None:  # its Ray may go with it: watch the process, not the cluster
             shutdown(True)
-            deadline = time.time() + timeout_s
-            while time.time() < deadline and alive(pid):
+            t0 = told = time.time()
+            while time.time() < t0 + timeout_s and alive(pid):
+                if time.time() - told >= 15:
+                    told = time.time()
+                    print(f"tokenmill: {name!r} drains: its ranks take their last steps "
+                          f"({told - t0:.0f}s; `stop --now` ends them at once)", flush=True)  # fmt: skip
                 time.sleep(0.25)
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)

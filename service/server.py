@@ -207,6 +207,7 @@ class BatchServer:
             self.steering = Steering(self.cfg, self.losses, self._cond)
         self._started = time.time()
         self._stop_requested = False
+        self._stop_now = False  # `stop --now`: held steps are not delivered either
         self._owner: dict = {}
         self._seek_lock = threading.Lock()  # ranks resuming together restart the feed once
         self._seeked: dict | None = None
@@ -448,7 +449,7 @@ class BatchServer:
     def drained(self) -> bool:
         """The data has ended and every rank of the world was told so (or is lost)."""
         with self._cond:
-            return self.producer.ended and self.window.drained()
+            return self._ended() and self.window.drained(self._stop_requested)
 
     def get(
         self,
@@ -490,6 +491,9 @@ class BatchServer:
         waited = self._hungry.get(rank, False)  # its last call waited for the producer
         with self._cond:
             while True:
+                if self._stop_now:  # `stop --now`: a clean end at once, held steps or not
+                    self.window.end(rank)
+                    return StepReply("stopped")
                 if waited and step in self.window.steps and not self._deliver_now(step, want):
                     linger_until = linger_until or time.monotonic() + LINGER_S
                     left = linger_until - time.monotonic()
@@ -514,7 +518,8 @@ class BatchServer:
                     break
                 if self.producer.error:
                     raise RuntimeError(f"the feed failed: {self.producer.error}")
-                if self._stop_requested:
+                if self._stop_requested:  # every step made before the stop was delivered
+                    self.window.end(rank)
                     return StepReply("stopped")
                 if self.producer.ended:
                     self.window.end(rank)
@@ -870,13 +875,21 @@ class BatchServer:
         """The `serve` process says it is alive (a service whose owner stopped beating is stale)."""
         self._owner = dict(owner or self._owner, beat=time.time())
 
-    def request_stop(self) -> str:
-        """`tokenmill stop`: ranks get `end`, and the owning `serve` drains and exits."""
+    def request_stop(self, now: bool = False) -> str:
+        """`tokenmill stop`: no step is made any more; each rank gets every step made before
+        (none with `now`), then a clean end (`stopped`), and the owning `serve` exits once
+        every rank has had its end (the drain; status `drained`)."""
         with self._cond:
             self._stop_requested = True
+            self._stop_now = self._stop_now or now
+            self.producer.set_paused(True)  # what is made is what the ranks get
             self._wake_all()
             self._observe()
         return STOPPING
+
+    def _ended(self) -> bool:
+        """No step will be made any more: the data ended, or a stop was asked."""
+        return self.producer.ended or self._stop_requested
 
     def drain_rejects(self) -> list[dict]:
         with self._cond:
@@ -961,13 +974,16 @@ class BatchServer:
             return {
                 "state": STOPPING if self._stop_requested else self.producer.state,
                 "producer": self.producer_state(),
-                "drained": self.producer.ended and self.window.drained(),
+                "drained": self._ended() and self.window.drained(self._stop_requested),
                 "error": self.producer.error,
                 "streams": list(self.cfg.streams),
                 "world_size": self.window.world,
                 "ranks_connected": sum(r["connected"] for r in ranks.values()),
                 "lost_ranks": [r for r, v in ranks.items() if v["lost"]],
                 "left_ranks": [r for r, v in ranks.items() if v.get("left")],
+                # connected ranks not yet told the end (what a drain waits for)
+                "ranks_to_end": [r for r, v in ranks.items() if v["connected"] and not
+                                 (v["ended"] or v["lost"] or v["left"])],  # fmt: skip
                 "global_step": self.window.produced,
                 "first_step": self.window.start,
                 "uptime_s": time.time() - self._started,

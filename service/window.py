@@ -180,12 +180,15 @@ class StepWindow:
         r.consumed = r.next
         r.seen = self.clock()
 
-    def drained(self) -> bool:
-        """Has every rank of the declared world been told the end (or been lost)? False
-        before a world is declared: a rank connecting late must still find every step."""
+    def drained(self, stopping: bool = False) -> bool:
+        """Has every rank of the declared world been told the end (or been lost, or left)?
+        False before a world is declared: a rank connecting late must still find every step.
+        `stopping` (`tokenmill stop`): ranks that never connected are not waited for, and no
+        world at all is drained."""
         if self.world is None:
-            return False
-        return all(r.ended or self.gone(k) for k, r in self.ranks.items())
+            return stopping
+        return all(r.ended or self.gone(k) or (stopping and not r.connected)
+                   for k, r in self.ranks.items())  # fmt: skip
 
     def take(self, rank: int, world_size: int, step: int) -> Any | None:
         """Rank `rank`'s request for `step`: the payload, or None if not produced yet.

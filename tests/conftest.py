@@ -58,6 +58,25 @@ def write_jsonl(path: Path, records, field: str = "text") -> Path:
     return path
 
 
+# Tiers. A test is `slow` when it is marked so or uses a fixture that starts a Ray cluster,
+# a process of Ray's, a browser, an object store server or a copy of the checkout (through any
+# other fixture too: pytest's `fixturenames` is the closure); every other test is `fast`,
+# in-process, the tier to run before each commit (`./dev test fast`). Derived from the
+# fixtures at collection, so a new test lands in its tier by itself.
+SLOW_FIXTURES = frozenset({"ray_cluster", "foreign", "head", "clone", "two_nodes", "browser",
+                           "endpoint"})  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        if slow or not SLOW_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())):
+            if not slow:
+                item.add_marker(pytest.mark.slow)
+        else:
+            item.add_marker(pytest.mark.fast)
+
+
 TEST_SLOTS = 2  # `tokenmill_test_slot` resources of the session's cluster (test_placing.py)
 
 

@@ -23,7 +23,7 @@ import yaml
 
 from pipeline.read.resolve import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import free_port, wait_http, wait_listening
+from tests.rayhead import free_port, stop_group, wait_http, wait_listening
 from tests.test_ranks import exported
 
 pytestmark = pytest.mark.slow
@@ -80,30 +80,6 @@ def _tokenmill_env(token_file: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
     path = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return env | {"RAY_AUTH_TOKEN_PATH": str(token_file), "PYTHONPATH": path}
-
-
-def _stop_group(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    """Stop a `ray start --block` and everything it started: SIGTERM its process group, wait,
-    SIGKILL what is left. Ray's workers run in process groups of their own, so its
-    descendants are taken down by pid too (they normally exit with their raylet)."""
-    import psutil
-
-    try:
-        family = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        family = []
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    _, alive = psutil.wait_procs(family, timeout=max(1.0, grace_s / 2))
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    proc.wait(timeout=30)
-    psutil.wait_procs(alive, timeout=10)
 
 
 def _left_behind(temps: list[str]) -> list[str]:
@@ -177,7 +153,7 @@ def two_nodes(tmp_path):
                 break
             for p in reversed(procs[-2:]):
                 with contextlib.suppress(Exception):
-                    _stop_group(p)
+                    stop_group(p)
         assert r.returncode == 0, r.stderr[-3000:] + _tails(tmp_path)
         nodes = json.loads(r.stdout.strip().splitlines()[-1])
         if len(nodes) < 2:
@@ -192,7 +168,7 @@ def two_nodes(tmp_path):
     finally:
         for p in reversed(procs):  # the second node first, then the head
             with contextlib.suppress(Exception):  # the leftover check below tells
-                _stop_group(p)
+                stop_group(p)
         left = _left_behind(temps)
         for t in temps:
             shutil.rmtree(t, ignore_errors=True)

@@ -447,7 +447,10 @@ def test_page_shows_each_lane_the_slowest_a_restart_and_one_waiting_to_be_placed
         time.sleep(0.5)
     assert not view["hidden"]
     first, second = view["rows"]
-    assert first["lane"] == "0 (slowest)" and first["process"] == "pid 4101 on data-0, node 10.0.0.7 3f1e9a0c"
+    assert (
+        first["lane"] == "0 (slowest)"
+        and first["process"] == "pid 4101 on data-0, node 10.0.0.7 3f1e9a0c"
+    )
     assert first["held steps"] == "80" and first["making, s"] == "41.5"
     assert first["CPU ÷ wall"] == "0.96" and first["restarts"] == "0"
     assert second["lane"] == "1" and second["process"] == "waiting to be placed, 12 s"

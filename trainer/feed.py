@@ -167,6 +167,30 @@ def stream_loss(batch: dict, token_loss) -> dict[str, list[float]]:
     return out
 
 
+def _wait_for_cluster(address: str | None, service: str, deadline: float) -> str:
+    """The cluster to join (service.cluster.client_address), waiting until `deadline` for a
+    `serve` that is starting (its record, its Ray) rather than failing at once: trainers may be
+    launched together with `serve`. Says what it waits for every 10 s."""
+    from service.cluster import ClusterError, client_address
+    from service.records import read_record
+
+    told = time.time()
+    while True:
+        try:
+            rec = None if address else read_record(service)
+            if rec is not None and not rec.get("address"):  # claimed: its Ray is starting
+                raise ClusterError(f"its serve (pid {rec.get('pid')}) is starting its Ray")
+            return client_address(address, service)
+        except ClusterError as e:
+            if time.time() >= deadline:
+                raise
+            if time.time() - told >= 10:
+                told = time.time()
+                print(f"tokenmill: waiting for service {service!r} to start: {e}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            time.sleep(0.5)
+
+
 class Feed:
     # Steps fetched per call, at most (the service's prefetch window caps it, and so does
     # protocol.REPLY_BYTES). A rank's cost is mostly per call (Ray's RPC on both sides), so a
@@ -232,17 +256,17 @@ class Feed:
         of `world_size`; beats start (see the module's docstring)."""
         import ray
 
-        from service.cluster import client_address, connect
+        from service.cluster import connect
 
         check_service_name(service)
+        deadline = time.time() + timeout_s
         with _CONNECT_LOCK:  # ranks may be threads of one process (tests, simulators)
             if not ray.is_initialized():
-                connect(client_address(address, service))
+                connect(_wait_for_cluster(address, service, deadline))
                 # Ray builds its serializer on a process's first object (~0.2 CPU-s: it
                 # imports pydantic): here, while the service may still be starting, not in
                 # the first call to it.
                 ray.put(None)
-        deadline = time.time() + timeout_s
         while True:
             try:
                 server = ray.get_actor(service, namespace=NAMESPACE)
@@ -314,9 +338,13 @@ class Feed:
                                timeout_s=self.timeout_s + POLL_S)  # fmt: skip
             if reply.ready:
                 break
-            if reply.status == "end":
-                # Told the end: keep the final state (its checkpoint may come after `serve`
-                # has gone), then nothing holds this rank any more.
+            if reply.status in ("end", "stopped"):
+                # Told the end (of the data, or `tokenmill stop`: every step made before it
+                # was delivered first, unless `--now`): keep the final state (its checkpoint
+                # may come after `serve` has gone), then nothing holds this rank any more.
+                if reply.status == "stopped":
+                    print(f"tokenmill: rank {self.rank}: the service was stopped; the feed ends "
+                          f"at step {self.step}", file=sys.stderr, flush=True)  # fmt: skip
                 try:
                     self._final_state = self._state()
                 except FeedError:
@@ -324,11 +352,6 @@ class Feed:
                 self._ended = True
                 self._beating.set()
                 raise StopIteration
-            if reply.status == "stopped":
-                raise FeedError(
-                    f"the tokenmill service was stopped before step {self.step}; "
-                    "resume from feed.state_dict()"
-                )
             # `wait`: held back by other ranks or a pause (wait on), or still producing.
             now = time.time()
             if reply.reason == "producing":
