@@ -299,6 +299,9 @@ def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,
                 last_why = why
         elif stopping:
             waiting = st.get("ranks_to_end") or []
+            if waiting:  # a rank whose process has gone will never take its end
+                with contextlib.suppress(Exception):
+                    backend.call("ranks_gone_with", _dead_jobs())
             why = f"tokenmill: stopping: ranks {waiting} still have steps made before the stop"
             if waiting and why != last_why and now - last_print >= 10:
                 print(why, flush=True)
@@ -328,6 +331,13 @@ def _progress_line(st: dict, m: dict) -> str:
         + (f"  waiting to be placed: {', '.join(waiting)}" if waiting else "")
         + (f"  lane restarts {restarts}" if restarts else "")
     )  # fmt: skip
+
+
+def _dead_jobs() -> list[str]:
+    """The Ray jobs of this cluster that have ended."""
+    from ray._private import state
+
+    return [j["JobID"] for j in state.jobs() if j["IsDead"]]
 
 
 def _rank_jobs_alive(backend, own_job: str) -> list[str]:

@@ -441,6 +441,21 @@ class BatchServer:
             self._cond.notify_all()
             return ok
 
+    def ranks_gone_with(self, dead_jobs: list[str]) -> list[int]:
+        """Ranks whose Ray job (their process's driver) has ended are marked left: a trainer
+        killed, or one that exited without closing its feed, keeps no drain waiting. The
+        ranks so marked."""
+        dead = set(dead_jobs)
+        with self._cond:
+            world = self.window.world
+            gone = [r for r, job in self._rank_jobs.items() if job in dead and world is not None
+                    and not self.window.gone(r)]  # fmt: skip
+            for r in gone:
+                self.window.leave(r, world)  # type: ignore[arg-type]
+            if gone:
+                self._cond.notify_all()
+            return gone
+
     def rank_jobs(self) -> list[str]:
         """The Ray job ids of the ranks that said hello (at most one per rank)."""
         with self._cond:
@@ -982,8 +997,11 @@ class BatchServer:
                 "lost_ranks": [r for r, v in ranks.items() if v["lost"]],
                 "left_ranks": [r for r, v in ranks.items() if v.get("left")],
                 # connected ranks not yet told the end (what a drain waits for)
-                "ranks_to_end": [r for r, v in ranks.items() if v["connected"] and not
-                                 (v["ended"] or v["lost"] or v["left"])],  # fmt: skip
+                "ranks_to_end": [
+                    r
+                    for r, v in ranks.items()
+                    if v["connected"] and not (v["ended"] or v["lost"] or v["left"])
+                ],  # fmt: skip
                 "global_step": self.window.produced,
                 "first_step": self.window.start,
                 "uptime_s": time.time() - self._started,

@@ -32,6 +32,7 @@ once, a few steps per pass (`to_torch_steps`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import sys
 import threading
@@ -73,6 +74,19 @@ def stop_beats(timeout_s: float = 1.0) -> None:
 
 
 atexit.register(stop_beats)
+
+
+def _goodbye() -> None:
+    """At exit, every feed still open says goodbye (`Feed.close`): a trainer that ends without
+    closing its feed holds no step back and keeps no drain (`tokenmill stop`) waiting. Runs
+    before `stop_beats` and Ray's own shutdown (atexit: last registered, first run)."""
+    for feed in list(_FEEDS):
+        if feed.server is not None and not feed._ended:
+            with contextlib.suppress(Exception):
+                feed.close()
+
+
+atexit.register(_goodbye)
 
 
 class FeedError(RuntimeError):
@@ -422,7 +436,8 @@ class Feed:
         import ray
 
         try:
-            fn = server.leave.options(concurrency_group=BEAT_GROUP)
-            ray.get(fn.remote(self.rank, self.world_size), timeout=10)
+            if ray.is_initialized():
+                fn = server.leave.options(concurrency_group=BEAT_GROUP)
+                ray.get(fn.remote(self.rank, self.world_size), timeout=5)
         except Exception:  # the service ended, or Ray is gone: nothing holds steps for us
             pass
