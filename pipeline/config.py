@@ -26,6 +26,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializationInfo,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
@@ -154,7 +155,7 @@ def _scalar_kinds(annotation: Any) -> set[type] | None:
     return kinds if kinds <= {int, float, bool, type(None)} else None
 
 
-def _check_scalar(where: str, kinds: set[type], value: Any) -> None:
+def _check_scalar(kinds: set[type], value: Any, where: str = "") -> None:
     """Strict scalars: no bool where a number is meant, no number where a bool is, no string
     for either (YAML's `"2"` or `yes` would otherwise be coerced quietly), no float for an int,
     and only finite floats (a time of `.inf` would wait for ever)."""
@@ -171,29 +172,27 @@ def _check_scalar(where: str, kinds: set[type], value: Any) -> None:
     if not ok:
         want = " or ".join(sorted("null" if k is type(None) else "a finite number" if k is float
                                   else k.__name__ for k in kinds))  # fmt: skip
-        raise ValueError(f"{where} must be {want}, got {value!r}")
+        raise ValueError(f"{where}must be {want}" + (f", got {value!r}" if where else ""))
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _strict_scalars(cls, data: Any) -> Any:
+    def _strict_scalars(cls, value: Any, info: ValidationInfo) -> Any:
         """Pydantic's lax mode turns `true` into 1 and `"2"` into 2; a config says what it means."""
-        if not isinstance(data, Mapping):
-            return data
-        for name, field in cls.model_fields.items():
-            if name not in data:
-                continue
-            if (kinds := _scalar_kinds(field.annotation)) is not None:
-                _check_scalar(name, kinds, data[name])
-            elif typing.get_origin(field.annotation) is dict and isinstance(data[name], Mapping):
-                value_type = typing.get_args(field.annotation)[1]
-                if (kinds := _scalar_kinds(value_type)) is not None:
-                    for key, value in data[name].items():
-                        _check_scalar(f"{name}[{key!r}]", kinds, value)
-        return data
+        annotation = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if (kinds := _scalar_kinds(annotation)) is not None:
+            _check_scalar(kinds, value)
+        elif (
+            typing.get_origin(annotation) is dict
+            and isinstance(value, Mapping)
+            and (kinds := _scalar_kinds(typing.get_args(annotation)[1])) is not None
+        ):
+            for key, item in value.items():
+                _check_scalar(kinds, item, f"[{key!r}] ")
+        return value
 
 
 class TokenizerConfig(_Frozen):

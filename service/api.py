@@ -510,6 +510,11 @@ def _families(m: dict, st: dict) -> list:
 
     gauge("tokens_per_second", "Packed real tokens per second (30 s window)", m.get("tokens_per_s"))
     gauge("batches_per_second", "Global steps per second (30 s window)", m.get("batches_per_s"))
+    gauge("consumed_tokens_per_second", "Real tokens the ranks train on per second (their "
+          "beats, 60 s window)", m.get("consumed_tokens_per_s"))  # fmt: skip
+    gauge("rank_waiting_seconds", "How long each rank waiting now for a step not made yet "
+          "has waited (measured by the service, as it happens)", m.get("ranks_waiting_s"), "rank")  # fmt: skip
+    gauge("stalled", "1 while a rank has waited for data for 5 s or more", 1.0 if m.get("stall") else 0.0)
     gauge("global_step", "Global steps produced (moves back on a resume)", m.get("global_step"))
     gauge("packing_efficiency", "Real tokens / (rows x seq_len)", m.get("packing_efficiency"))
     gauge(

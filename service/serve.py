@@ -326,8 +326,10 @@ def _progress_line(st: dict, m: dict) -> str:
     restarts = len(m.get("lanes_restarted") or [])
     return (
         f"  produced {st['global_step']:>7} steps  {m.get('producer', st['state']):<11}  "
-        f"{m['tokens_per_s']:>12,.0f} tok/s  packing {100 * m['packing_efficiency']:.2f}%  "
+        f"{m['tokens_per_s']:>12,.0f} tok/s  trainers take {m.get('consumed_tokens_per_s') or 0:,.0f} tok/s  "
+        f"packing {100 * m['packing_efficiency']:.2f}%  "
         f"{where}  rejects {m['rejects']}" + (f"  LOST ranks {lost}" if lost else "")
+        + (f"  STALL: {m['stall']}" if m.get("stall") else "")
         + (f"  waiting to be placed: {', '.join(waiting)}" if waiting else "")
         + (f"  lane restarts {restarts}" if restarts else "")
     )  # fmt: skip
@@ -415,15 +417,21 @@ def run_status(name: str, address: str | None, as_json: bool = False) -> int:
     print(
         f"world     {st['world_size']}  connected {st['ranks_connected']}  lost {st['lost_ranks']}"
     )
-    print(f"rate      {m['tokens_per_s']:,.0f} tok/s  packing {100 * m['packing_efficiency']:.2f}%  "
-          f"held steps {m['held_steps']}/{m['prefetch']}  rejects {m['rejects']}")  # fmt: skip
+    print(f"rate      made {m['tokens_per_s']:,.0f} tok/s  trainers take "
+          f"{m.get('consumed_tokens_per_s') or 0:,.0f} tok/s  packing "
+          f"{100 * m['packing_efficiency']:.2f}%  held steps {m['held_steps']}/{m['prefetch']}  "
+          f"rejects {m['rejects']}")  # fmt: skip
+    if m.get("stall"):
+        print(f"STALL     {m['stall']}")
     print(f"producer  {m.get('producer', '?')}")
     for r, v in m["ranks"].items():
         at = v.get("consumed_step")
         sign = v.get("last_sign_s_ago")
         print(f"rank {r:>4}  at step {'?' if at is None else at:>7}  fetched {v['next_step']:>7}  "
               f"lag {v['lag']:>4}  seen {'-' if sign is None else f'{sign:.0f}s ago'}  "
-              f"wait {v['wait_s_last_60s']:.2f}s/60s" + ("  LOST" if v["lost"] else "")
+              f"wait {v['wait_s_last_60s']:.2f}s/60s"
+              + (f"  WAITING {v['waiting_s']:.0f}s" if v.get("waiting_s") is not None else "")
+              + ("  LOST" if v["lost"] else "") + ("  left" if v.get("left") else "")
               + ("  ended" if v.get("ended") else ""))  # fmt: skip
     if st["error"]:
         print(f"error     {st['error']}")

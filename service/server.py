@@ -135,6 +135,10 @@ def _bare(state: dict) -> dict:
     return seal({k: v for k, v in state.items() if k != LOSSES})
 
 
+# A rank's current wait for data is named a stall (status and metrics `stall`) from this long.
+STALL_S = 5.0
+
+
 class _Default(enum.Enum):
     """A sentinel type: `rank_timeout_s` None means no timeout, so "not given" needs its own."""
 
@@ -539,6 +543,7 @@ class BatchServer:
                 if self.producer.ended:
                     self.window.end(rank)
                     return StepReply("end")
+                self.window.waits(rank)  # its wait for a step not made yet, from now
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return StepReply("wait", reason=self._why_waiting())
@@ -902,6 +907,17 @@ class BatchServer:
             self._observe()
         return STOPPING
 
+    def _stall(self, ranks: dict[int, dict]) -> dict:
+        """Under the lock: the ranks waiting now for steps not made yet, for how long, and a
+        stall named once one has waited STALL_S (`ranks [0, 1] waiting 46 s: paused`)."""
+        waiting = {r: v["waiting_s"] for r, v in ranks.items()
+                   if v["waiting_s"] is not None and not (v["lost"] or v["left"])}  # fmt: skip
+        worst = max(waiting.values(), default=0.0)
+        stall = None
+        if worst >= STALL_S:
+            stall = f"ranks {sorted(waiting)} waiting {worst:.0f} s: {self._why_waiting()}"
+        return {"ranks_waiting_s": {str(r): w for r, w in waiting.items()}, "stall": stall}
+
     def _ended(self) -> bool:
         """No step will be made any more: the data ended, or a stop was asked."""
         return self.producer.ended or self._stop_requested
@@ -1001,7 +1017,8 @@ class BatchServer:
                     r
                     for r, v in ranks.items()
                     if v["connected"] and not (v["ended"] or v["lost"] or v["left"])
-                ],  # fmt: skip
+                ],
+                **self._stall(ranks),
                 "global_step": self.window.produced,
                 "first_step": self.window.start,
                 "uptime_s": time.time() - self._started,
@@ -1020,11 +1037,21 @@ class BatchServer:
             tok_rate, row_rate = tel.rates()
             ranks = self.window.rank_view()
             waits = tel.wait_by_rank()
+            # What the trainers consume (their beats' steps a second, each rank's G/W rows of
+            # seq_len at the run's packing efficiency): real tokens, beside what is made.
+            W = self.window.world or 1
+            per_step = self.cfg.global_batch_size / W * self.cfg.seq_len * s.packing_efficiency
+            consumed = 0.0
             for r, v in ranks.items():
                 v["wait_s_last_60s"], v["waits"] = waits.get(r, (0.0, 0))
+                rate = v["consumed_steps_per_s"]
+                v["consumed_tokens_per_s"] = None if rate is None else rate * per_step
+                consumed += v["consumed_tokens_per_s"] or 0.0
             all_waits = list(waits.values())
             return {
                 "tokens_per_s": tok_rate,
+                "consumed_tokens_per_s": consumed,
+                **self._stall(ranks),
                 "batches_per_s": row_rate / self.cfg.global_batch_size,
                 "producer": self.producer_state(),
                 "lag_normal_max": self.prefetch + min(LOOKAHEAD, self.prefetch),

@@ -35,8 +35,9 @@ must advance in lockstep: ray-project/ray#41973, #39595).
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from wire.protocol import StepGone, WorldMismatch
@@ -53,6 +54,11 @@ class RankState:
     # it, so rows held elsewhere (lanes) may go once every rank asked past them. None: `next`.
     asked: int | None = None
     left: bool = False  # it closed its feed (said goodbye): it holds nothing back, as if lost
+    # (clock, consumed) from its beats: what it trains on, over time (`consumed_rate`)
+    samples: deque = field(default_factory=lambda: deque(maxlen=64))
+    # When its current wait for a step not yet made began (a call of its that found nothing
+    # to take); None while it is not waiting. The service measures it, as it happens.
+    waiting_since: float | None = None
 
 
 class StepWindow:
@@ -157,7 +163,23 @@ class StepWindow:
         r.seen = self.clock()
         r.connected = True
         r.consumed = min(int(consumed), r.next)
+        r.samples.append((r.seen, r.consumed))
         return True
+
+    def consumed_rate(self, rank: int, window_s: float = 60.0) -> float | None:
+        """Steps a second rank `rank` has trained on over the last `window_s` (its beats'
+        consumed steps); None with fewer than two beats in that time."""
+        now = self.clock()
+        recent = [(t, c) for t, c in self.ranks[rank].samples if now - t <= window_s]
+        if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
+            return None
+        return max(0, recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+
+    def waits(self, rank: int) -> None:
+        """Rank `rank` asked for a step that is not made yet: its wait begins (if it had not)."""
+        r = self.ranks.get(rank)
+        if r is not None and r.waiting_since is None:
+            r.waiting_since = self.clock()
 
     def leave(self, rank: int, world_size: int) -> bool:
         """Rank `rank` closed its feed: from now on it holds no step back, at once rather than
@@ -169,6 +191,7 @@ class StepWindow:
         r = self.ranks[rank]
         r.left = True
         r.seen = self.clock()
+        r.waiting_since = None
         self.evict()
         return True
 
@@ -179,6 +202,7 @@ class StepWindow:
         r.ended = True
         r.consumed = r.next
         r.seen = self.clock()
+        r.waiting_since = None
 
     def drained(self, stopping: bool = False) -> bool:
         """Has every rank of the declared world been told the end (or been lost, or left)?
@@ -206,6 +230,7 @@ class StepWindow:
         r.left = False
         if step in self.steps:
             r.next = max(r.next, step + 1)
+            r.waiting_since = None
             payload = self.steps[step]
             self.evict()
             return payload
@@ -247,6 +272,9 @@ class StepWindow:
                 "connected": r.connected,
                 "ended": r.ended,
                 "last_sign_s_ago": sign,
+                # the wait it is in now, measured here as it goes (None: not waiting)
+                "waiting_s": None if r.waiting_since is None else now - r.waiting_since,
+                "consumed_steps_per_s": self.consumed_rate(k),
                 "next_step": r.next,
                 "seen_s_ago": sign,
             }

@@ -250,3 +250,36 @@ def test_prometheus_tolerates_missing_or_odd_rank_metrics(extra):
     r = TestClient(create_app(Backend(FakeBackend(fake_metrics(**extra))))).get("/metrics")
     assert r.status_code == 200
     assert "tokenmill_rejects_total 0.0" in r.text and "# TYPE tokenmill_rank_lost gauge" in r.text
+
+
+def test_a_stall_shows_while_it_happens_and_what_the_trainers_take(server, client):
+    """Production paused, a rank asks past the steps made: status, metrics and Prometheus name
+    the stall and how long the rank has waited *while* it waits (the trainer's own report
+    comes only after); the figure of what trainers take follows their beats."""
+    from service import server as server_module
+
+    held = server.status()["global_step"]
+    assert client.post("/v1/pause", headers=AUTH).status_code == 200
+    for step in range(held):
+        assert server.get(0, 1, step, 5.0).ready
+    for r in range(3):  # beats: consumed steps 0, 1, 2 at three times
+        server.beat(0, 1, r)
+        time.sleep(0.2)
+    assert server.metrics()["consumed_tokens_per_s"] > 0
+    t0 = time.time()
+    while time.time() - t0 < server_module.STALL_S + 1:
+        assert not server.get(0, 1, held, 0.5).ready  # paused: nothing comes
+    st = client.get("/v1/status").json()
+    assert st["stall"].startswith("ranks [0] waiting") and st["stall"].endswith(": paused")
+    assert st["ranks_waiting_s"]["0"] >= server_module.STALL_S
+    m = client.get("/v1/metrics").json()
+    assert m["ranks"]["0"]["waiting_s"] >= server_module.STALL_S and m["stall"] == st["stall"]
+    prom = client.get("/metrics").text
+    assert re.search(r'tokenmill_rank_waiting_seconds\{rank="0"\} [0-9.]+', prom)
+    assert "tokenmill_stalled 1.0" in prom and "tokenmill_consumed_tokens_per_second" in prom
+    assert client.post("/v1/resume", headers=AUTH).status_code == 200
+    deadline = time.time() + 60
+    while not server.get(0, 1, held, 1.0).ready:
+        assert time.time() < deadline
+    st = client.get("/v1/status").json()
+    assert st["stall"] is None and st["ranks_waiting_s"] == {}

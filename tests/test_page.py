@@ -254,6 +254,11 @@ def test_page_tells_a_full_window_and_a_slow_rank_apart_from_alarms(browser, fak
     server.m["producer"] = "making"
     view = wait_page(browser, lambda v: v["producer"] == "making", "a making producer")
     assert "tok/s" in view["producerText"]
+    # What the trainers take, beside what is made; a stall named while it happens.
+    server.m |= {"consumed_tokens_per_s": 1234.4, "stall": "ranks [0] waiting 46 s: paused"}
+    view = wait_page(browser, lambda v: "STALL" in " ".join(v["alarms"]), "the stall")
+    assert "trainers take 1,234 tok/s" in view["status"]
+    assert "STALL: ranks [0] waiting 46 s: paused" in view["alarms"]
 
 
 def test_page_draws_loss_per_stream_and_the_policy_waiting_for_it(browser, fake_service):

@@ -226,3 +226,23 @@ def test_a_rank_that_leaves_holds_nothing_back_at_once(slow_leaves):
     assert not w.leave(0, 4)  # another world
     with pytest.raises(StepGone, match="closed its feed"):
         w.take(leaver, 2, 0 if slow_leaves else 1)
+
+
+def test_a_ranks_current_wait_and_consumed_rate_are_measured_as_they_happen():
+    w, clock = make(prefetch=2)
+    w.declare(0, 1)
+    fill(w)
+    assert w.take(0, 1, 0) and w.take(0, 1, 1)
+    assert w.rank_view()[0]["waiting_s"] is None
+    w.waits(0)  # it asked for step 2, not made
+    clock.t += 7.5
+    w.waits(0)  # asking again keeps the wait's start
+    assert w.rank_view()[0]["waiting_s"] == 7.5
+    fill(w)
+    assert w.take(0, 1, 2) and w.rank_view()[0]["waiting_s"] is None
+    for consumed in (0, 1, 3):  # at most what it fetched (3)
+        w.beat(0, 1, consumed)
+        clock.t += 5
+    assert w.consumed_rate(0) == pytest.approx(3 / 10)
+    clock.t += 120  # beats older than the window: no rate
+    assert w.consumed_rate(0) is None
