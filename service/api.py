@@ -514,7 +514,11 @@ def _families(m: dict, st: dict) -> list:
           "beats, 60 s window)", m.get("consumed_tokens_per_s"))  # fmt: skip
     gauge("rank_waiting_seconds", "How long each rank waiting now for a step not made yet "
           "has waited (measured by the service, as it happens)", m.get("ranks_waiting_s"), "rank")  # fmt: skip
-    gauge("stalled", "1 while a rank has waited for data for 5 s or more", 1.0 if m.get("stall") else 0.0)
+    gauge(
+        "stalled",
+        "1 while a rank has waited for data for 5 s or more",
+        1.0 if m.get("stall") else 0.0,
+    )
     gauge("global_step", "Global steps produced (moves back on a resume)", m.get("global_step"))
     gauge("packing_efficiency", "Real tokens / (rows x seq_len)", m.get("packing_efficiency"))
     gauge(

@@ -170,7 +170,7 @@ def _auth_mode(mode: str) -> Iterator[None]:
 
 
 def _set_auth_mode(mode: str | None) -> None:
-    from ray._raylet import Config
+    from ray._raylet import Config  # type: ignore[attr-defined]  # a Cython module
 
     if mode is None:
         os.environ.pop("RAY_AUTH_MODE", None)
