@@ -89,7 +89,11 @@ def test_client_fails_fast_when_the_service_dies(service, ray_cluster):
 
     feed = Feed.connect(service=service["name"], rank=0, world_size=1, timeout_s=20)
     assert next(feed)["input_ids"].shape == (4, 64)
-    service["proc"].send_signal(signal.SIGTERM)  # serve kills its actor on the way out
+    # The first SIGTERM drains (the rank would get its end); a second stops at once, and
+    # serve kills its actor on the way out.
+    service["proc"].send_signal(signal.SIGTERM)
+    time.sleep(2)
+    service["proc"].send_signal(signal.SIGTERM)
     assert service["proc"].wait(timeout=30) == 0
     t = time.time()
     with pytest.raises(FeedError):
