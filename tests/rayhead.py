@@ -75,11 +75,17 @@ def serve_process(config, address: str, name: str, cwd, env: dict | None = None)
         yield {"address": address, "port": port, "name": name, "proc": proc, "log": log}
     finally:
         if proc.poll() is None:
+            # The first SIGTERM drains: it waits for ranks still connected (a test's own feed,
+            # never closed); a second one, a moment later, ends serve at once.
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
-                proc.kill()
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 @contextlib.contextmanager
