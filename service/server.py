@@ -216,6 +216,11 @@ class BatchServer:
         self._seek_lock = threading.Lock()  # ranks resuming together restart the feed once
         self._seeked: dict | None = None
         self._hungry: dict[int, bool] = {}  # rank -> its last answer waited for the producer
+        # Token rows this process has sent ranks, as Arrow IPC bytes, and the rank-steps they
+        # held: with `lanes` > 1 none (the ranks take their rows from the lanes; metrics
+        # `control_row_bytes`, bench/nodes.py), with `lanes: 1` every row.
+        self._sent = [0, 0]
+        self._sent_lock = threading.Lock()
         self._rank_jobs: dict[int, str] = {}  # rank -> its Ray job id (hello's `client`)
         self._observed: tuple[float, str] = (0.0, "")  # when and what `_observe` last kept
         self._replaying = threading.Lock()  # one provenance replay at a time (`provenance`)
@@ -559,7 +564,11 @@ class BatchServer:
                              lanes=where(batches, rank, world_size, G))  # fmt: skip
         # Sliced outside the lock: under it, one rank's copy held up every other rank.
         runs = rank_runs(batches, rank, world_size, G)
-        return StepReply("ready", [to_ipc(run) for run, _ in runs], [n for _, n in runs])
+        payload = [to_ipc(run) for run, _ in runs]
+        with self._sent_lock:
+            self._sent[0] += sum(len(p) for p in payload)
+            self._sent[1] += len(batches)
+        return StepReply("ready", payload, [n for _, n in runs])
 
     def lane_handles(self, key: str) -> list:
         """The lane actors that a reply names by `key` (pipeline/lanes/steps.py `where`): the
@@ -1064,6 +1073,10 @@ class BatchServer:
                 # lanes started again after their process died (LanedFeed.restart)
                 "lanes_restarted": list(getattr(self.feed, "restarted", [])),
                 "prefetch": self.prefetch,
+                # Row bytes that passed through this (the control) process to ranks, and the
+                # rank-steps they held: 0 with `lanes` > 1, where ranks pull from the lanes.
+                "control_row_bytes": self._sent[0],
+                "control_rank_steps": self._sent[1],
                 "real_tokens": s.real_tokens,
                 "rows": s.rows,
                 "packing_efficiency": s.packing_efficiency,

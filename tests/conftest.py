@@ -63,7 +63,7 @@ def write_jsonl(path: Path, records, field: str = "text") -> Path:
 # other fixture too: pytest's `fixturenames` is the closure); every other test is `fast`,
 # in-process, the tier to run before each commit (`./dev test fast`). Derived from the
 # fixtures at collection, so a new test lands in its tier by itself.
-SLOW_FIXTURES = frozenset({"ray_cluster", "foreign", "head", "clone", "two_nodes", "browser",
+SLOW_FIXTURES = frozenset({"ray_cluster", "foreign", "head", "clone", "browser",
                            "endpoint"})  # fmt: skip
 
 
@@ -73,7 +73,7 @@ SLOW_FIXTURES = frozenset({"ray_cluster", "foreign", "head", "clone", "two_nodes
 # otherwise one worker ran the last long file alone for minutes.
 LONGEST_FIRST = ("test_lanes.py", "test_trainer_service.py", "test_job_submit.py",
                  "test_swift.py", "test_liveness.py", "test_cluster.py", "test_stop.py",
-                 "test_nodes.py", "test_titan.py", "test_ranks.py", "test_multinode.py",
+                 "test_nodes.py", "test_titan.py", "test_ranks.py", "test_hosts.py",
                  "test_adapters_raytrain.py", "test_page.py", "test_demand.py",
                  "test_adapters.py", "test_export_lanes.py")  # fmt: skip
 

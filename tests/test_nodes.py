@@ -31,8 +31,9 @@ RANKS = r"""
 import os, sys, threading, time, numpy as np
 from trainer.feed import Feed
 address, name, steps, out, delay = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
-got = {}
+got, errors = {}, []
 def rank(r):
+  try:
     feed = Feed.connect(service=name, rank=r, world_size=2, address=address, timeout_s=120)
     rows = []
     for i in range(steps):
@@ -45,9 +46,14 @@ def rank(r):
         time.sleep(delay)
     got[r] = rows
     feed.close()
+  except BaseException:  # a rank that fails fails the process
+    import traceback
+    errors.append(traceback.format_exc())
 threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
 for t in threads: t.start()
 for t in threads: t.join()
+if errors:
+    sys.exit("\n".join(errors))
 np.savez(out, **{f"{r}_{k}": np.stack([x[i] for x in got[r]]) for r in got
                  for i, k in enumerate(("steps", "ids", "labels"))})
 """
