@@ -532,6 +532,11 @@ def _families(m: dict, st: dict) -> list:
         gauge("autoscale_requested_cpus", "CPUs the service asks the cluster's autoscaler for "
               "while ranks wait for data (service.autoscale; 0: no request)",
               scale.get("requested_cpus"))  # fmt: skip
+        seen = scale.get("cluster") or {}
+        gauge("cluster_nodes", "Live nodes of the cluster (service.autoscale looks each tick)",
+              seen.get("nodes"))  # fmt: skip
+        gauge("cluster_cpus", "CPUs of the cluster (service.autoscale looks each tick)",
+              seen.get("cpus"))  # fmt: skip
     producer = m.get("producer", st.get("producer"))
     if isinstance(producer, str):
         states = PRODUCER_STATES if producer in PRODUCER_STATES else (*PRODUCER_STATES, producer)

@@ -66,6 +66,9 @@ class Demand:
         self.requested = 0  # CPUs asked for (0: no request)
         self.base = 0  # about what the cluster had before the first request
         self.changes: deque[dict] = deque(maxlen=100)
+        # The cluster as last seen (each tick): its live nodes and CPUs, so that a node the
+        # autoscaler added shows (status `autoscale`, the page, Prometheus).
+        self.cluster: dict = {"nodes": None, "cpus": None}
         self._last_change = -math.inf
         self._lock = threading.Lock()
 
@@ -116,7 +119,13 @@ class Demand:
             self.changes.append({"t": now, "requested_cpus": cpus, "reason": reason,
                                  "error": error})  # fmt: skip
 
+    def seen(self, nodes: int, cpus: float) -> None:
+        """The cluster's live nodes and CPUs now."""
+        with self._lock:
+            self.cluster = {"nodes": nodes, "cpus": cpus}
+
     def view(self) -> dict:
         with self._lock:
             return {"max_cpus": self.max_cpus, "requested_cpus": self.requested,
-                    "base_cpus": self.base, "changes": list(self.changes)}  # fmt: skip
+                    "base_cpus": self.base, "changes": list(self.changes),
+                    "cluster": dict(self.cluster)}  # fmt: skip

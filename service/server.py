@@ -962,8 +962,10 @@ class BatchServer:
                         for o in self.telemetry.observations_view(last=3600)]  # fmt: skip
             try:
                 cpus = float(ray.cluster_resources().get("CPU", 0))
+                nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
             except Exception:
                 continue  # Ray not answering now: no decision this tick
+            self.demand.seen(nodes, cpus)
             decided = self.demand.decide(now, waits, producer_shares(observed, now), cpus)
             if decided is not None:
                 want, reason = decided

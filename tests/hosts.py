@@ -258,6 +258,47 @@ def cluster(logs: Path, data_hosts: int = 2, trainer: bool = True, env: dict | N
         hosts.close()
 
 
+@contextlib.contextmanager
+def autoscaling(logs: Path, data: dict, min_data: int, max_data: int, env: dict | None = None):
+    """One host running a head (no CPUs for work: resource `control`) with Ray's own
+    autoscaler over its fake multi-node provider: data nodes (`data`: their resources, CPU
+    included) are started on this host when a request asks for them, `min_data` at once and at
+    most `max_data`. The autoscaler (`ray start --autoscaling-config`, RAY_FAKE_CLUSTER) is
+    Ray's own; only its "cloud" is processes of this host. On a host of its own, its ports and
+    processes touch no other cluster here. Yields the Hosts once `min_data` nodes are up."""
+    hosts = Hosts(["head"], logs, env)
+    try:
+        head = hosts["head"]
+        config = logs / "autoscaling.json"
+        config.write_text(json.dumps({
+            "cluster_name": "tokenmill-test", "max_workers": max_data,
+            "provider": {"type": "fake_multinode", "use_node_id_as_ip": True,
+                         "disable_node_updaters": True, "disable_launch_config_check": True},
+            "available_node_types": {
+                "ray.head.default": {"resources": {"CPU": 0, "control": 1}, "node_config": {},
+                                     "max_workers": 0},
+                "data": {"resources": {**data, "object_store_memory": 100 * MB}, "node_config": {},
+                         "min_workers": min_data, "max_workers": max_data},
+            },
+            "head_node_type": "ray.head.default", "upscaling_speed": 1.0,
+            "idle_timeout_minutes": 60, "auth": {}, "docker": {}, "file_mounts": {},
+            "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+            "worker_setup_commands": [], "head_start_ray_commands": [],
+            "worker_start_ray_commands": [], "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
+        }))  # fmt: skip
+        env = hosts.ray_env | {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+        head.run([RAY, "start", "--head", "--block", f"--autoscaling-config={config}",
+                  f"--port={GCS_PORT}", f"--node-ip-address={head.ip}", "--num-cpus=0",
+                  '--resources={"control": 1}', f"--object-store-memory={100 * MB}",
+                  f"--temp-dir={head.temp}", "--include-dashboard=false"],
+                 logs / "ray-head.log", env=env)  # fmt: skip
+        hosts.wait_nodes(1 + min_data, "head")
+        yield hosts
+    finally:
+        hosts.close()
+
+
 def main() -> None:
     """`./dev hosts`: a head, two data hosts and a trainer host, up until Ctrl-C, with the
     demo corpus served in two lanes, one a data host."""
