@@ -1,6 +1,6 @@
 """The plane on several Ray nodes of this machine (tests/nodes.py: each its own raylet and
 object store): a head that holds the control, two data nodes that hold the lanes, spread one
-a node, and ranks that pull while a data node is lost. The cluster runs without token auth,
+a node, and four ranks that pull while a data node is lost. The cluster runs without token auth,
 which the clients follow (they hold a token; in token mode their actors would be cancelled)."""
 
 import json
@@ -22,19 +22,22 @@ from tests.rayhead import serve_process
 from tests.test_ranks import exported
 
 pytestmark = pytest.mark.slow
+WORLD = 4  # ranks (tests/test_hosts.py runs 2, across hosts)
 STEPS = 160  # well past what the lanes make ahead (64 steps) when the node is lost
 UNSET = ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_TMPDIR")
 MB = 1 << 20
 
-# Two ranks of one process (threads), pulling slowly; each step's rows saved.
+# W ranks of one process (threads; W the 6th argument, default 2), pulling slowly; each
+# step's rows saved.
 RANKS = r"""
 import os, sys, threading, time, numpy as np
 from trainer.feed import Feed
 address, name, steps, out, delay = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
+world = int(sys.argv[6]) if len(sys.argv) > 6 else 2
 got, errors = {}, []
 def rank(r):
   try:
-    feed = Feed.connect(service=name, rank=r, world_size=2, address=address, timeout_s=120)
+    feed = Feed.connect(service=name, rank=r, world_size=world, address=address, timeout_s=120)
     rows = []
     for i in range(steps):
         if i == 10:  # told where they are, then held until the test has removed a node
@@ -49,7 +52,7 @@ def rank(r):
   except BaseException:  # a rank that fails fails the process
     import traceback
     errors.append(traceback.format_exc())
-threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
 for t in threads: t.start()
 for t in threads: t.join()
 if errors:
@@ -85,7 +88,7 @@ def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
            "service": {"resources": {"data": 1}, "control_resources": {"control": 0.01},
                        "lane_restarts": 3}}  # fmt: skip
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
-    want = exported(parse_config(raw), tmp_path, STEPS, 2)
+    want = exported(parse_config(raw), tmp_path, STEPS, WORLD)
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
     token = tmp_path / "token"  # the clients hold a token; the cluster asks none
     token.write_text("a" * 64)
@@ -102,9 +105,9 @@ def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
         assert sorted(placed) == sorted(c.nodes), (placed, c.nodes)  # one lane a data node
         out = tmp_path / "rows.npz"
         ranks = subprocess.Popen([sys.executable, "-c", RANKS, c.address, "multi", str(STEPS),
-                                  str(out), "0.02"], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                                  str(out), "0.02", str(WORLD)], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
         deadline = time.time() + 120
-        while not all(Path(f"{out}.at10.{r}").exists() for r in range(2)):  # 10 steps in
+        while not all(Path(f"{out}.at10.{r}").exists() for r in range(WORLD)):  # 10 steps in
             assert time.time() < deadline and ranks.poll() is None, "the ranks did not start"
             time.sleep(0.1)
         c.remove(placed[0])
@@ -119,7 +122,7 @@ def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
         now = [lane["node_id"] for lane in m["lanes"]]
         assert now[0] == placed[1] and now[1] == placed[1], now  # the survivor holds both
     rows = np.load(out)
-    for r in range(2):
+    for r in range(WORLD):
         assert rows[f"{r}_steps"].tolist() == list(range(STEPS))
         for s in range(STEPS):  # every step exactly once, byte for byte the export's
             np.testing.assert_array_equal(rows[f"{r}_ids"][s], want[(s, r)][0])
