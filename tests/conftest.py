@@ -75,7 +75,7 @@ LONGEST_FIRST = ("test_lanes.py", "test_trainer_service.py", "test_job_submit.py
                  "test_swift.py", "test_liveness.py", "test_cluster.py", "test_stop.py",
                  "test_autoscale.py", "test_hosts.py", "test_nodes.py", "test_titan.py",
                  "test_ranks.py",
-                 "test_adapters_raytrain.py", "test_page.py", "test_demand.py",
+                 "test_adapters_raytrain.py", "test_adapters_torchrun.py", "test_page.py", "test_demand.py",
                  "test_adapters.py", "test_export_lanes.py")  # fmt: skip
 
 

@@ -308,6 +308,32 @@ def _make_feed_trainer(Trainer):
             self.train_dataset.take_wait()
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            """On CPU with several ranks (gloo), HF loads `optimizer.pt` with
+            `map_location=args.device`, `cpu:N`, which torch cannot restore ("don't know how
+            to restore data location ... (tagged with cpu:0)", transformers 4.57): there the
+            optimizer is loaded onto the CPU, as HF does for one rank. Elsewhere (GPUs,
+            DeepSpeed, FSDP, one rank) HF's own path runs unchanged."""
+            import os
+
+            import torch
+
+            device = self.args.device
+            plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
+            if (checkpoint is None or device.type != "cpu" or self.args.world_size <= 1
+                    or not plain):  # fmt: skip
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+            optimizer = os.path.join(checkpoint, OPTIMIZER_NAME)
+            scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+            if not (os.path.isfile(optimizer) and os.path.isfile(scheduler)):
+                return super()._load_optimizer_and_scheduler(checkpoint)
+            self.optimizer.load_state_dict(
+                torch.load(optimizer, map_location="cpu", weights_only=True)
+            )
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
         def log(self, logs: dict, *args, **kwargs) -> None:
             now = time.perf_counter()
             wait = self.train_dataset.take_wait()
