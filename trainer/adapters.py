@@ -189,10 +189,19 @@ def _hf():
 
 
 def feed_checkpoint_callback(dataset: FeedDataset):
-    """A `TrainerCallback` that writes the feed state into every `checkpoint-N/` (rank 0)."""
+    """A `TrainerCallback` that writes the feed state into every `checkpoint-N/` (rank 0),
+    and asks for a last checkpoint when the feed ends (the data's end, or `tokenmill stop`,
+    which drains): HF's epoch is the whole feed, so its end is the feed's, and a run that was
+    stopped keeps its last step to resume from (with a save strategy; "no" stays no)."""
     _, TrainerCallback = _hf()
 
     class FeedCheckpointCallback(TrainerCallback):
+        def on_epoch_end(self, args, state, control, **kwargs):
+            feed = dataset.feed
+            saves = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+            if saves and feed is not None and feed.ended and state.global_step > 0:
+                control.should_save = True
+
         def on_save(self, args, state, control, **kwargs):
             if state.is_world_process_zero:
                 directory = Path(args.output_dir) / f"checkpoint-{state.global_step}"

@@ -327,6 +327,11 @@ class Feed:
         self._ended, self._final_state = False, None
         self._start_beats(welcome.beat_s)
 
+    @property
+    def ended(self) -> bool:
+        """Told the end (of the data, or a `tokenmill stop`): the next `next` stops."""
+        return self._ended
+
     def __next__(self) -> dict:
         from wire.arrays import from_ipc
 
