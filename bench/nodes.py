@@ -11,8 +11,9 @@ driver) that take `--steps` steps as fast as they can. Per K it prints:
 - control row bytes a step: token rows that passed through the control process to the ranks
   (metrics `control_row_bytes`). With K > 1 the ranks take their rows from the lanes and this
   is 0; with `lanes: 1` the control makes and sends every row;
-- served tokens/s: real tokens the ranks got (sum of `seq_lens`) over the steps after the
-  first quarter, over their time (production and delivery, end to end; start-up left out);
+- served tokens/s: real tokens the ranks got (sum of `seq_lens`) in the second half of the
+  steps, over its time (production and delivery, end to end; start-up and the prefetch
+  window, drained in the first half, left out);
 - ranks' wait: the share of the ranks' time, after their first step, spent in `next(feed)`,
   in a second service of the same K whose ranks spend `--step-ms` on each step (a trainer's
   step), beginning as soon as they have connected: start-up included, as a user sees it.
@@ -95,7 +96,7 @@ def measure(cfg_raw: dict, lanes: int, world: int, steps: int, address: str,
         m = ray.get(actor.metrics.remote(), timeout=60)
     finally:
         _close(actor)
-    first = steps // 4
+    first = steps // 2
     done = [max(g["arrived"][s] for g in got) for s in range(steps)]  # a step's last rank
     tokens = sum(sum(g["tokens"][first + 1 :]) for g in got)
     span = done[-1] - done[first]
