@@ -46,7 +46,7 @@ RANK = r"""
 import sys, time
 import torch
 t0 = time.time()
-from service.cluster import connect
+from client.cluster import connect
 from trainer.feed import Feed
 if sys.argv[5] == "wait":
     import ray

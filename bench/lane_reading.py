@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import pipeline.read.chain as chain
+    from client.cluster import connect
     from pipeline.read.resolve import load_config
-    from service.cluster import connect
     from service.demo_corpus import build_demo_corpus
 
     corpus = build_demo_corpus() / "code.jsonl"

@@ -6,7 +6,7 @@
     (either: [--inputs text,pre-tokenized] [--corpus FILE.jsonl | site-packages[:MB]])
 
 Each point is a fresh `tokenmill export` process started under `taskset -c 0..N-1`, so the
-export, its embedded Ray (which sizes itself to the cores it may use: service/cluster.py
+export, its embedded Ray (which sizes itself to the cores it may use: client/cluster.py
 `usable_cpus`), Ray Data's workers and the lane actors all share N cores. At each N it runs
 `lanes: 1` and `lanes: N` over the same corpus, on two inputs:
 
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
     if unknown := set(kinds) - {"text", "pre-tokenized"}:
         raise SystemExit(f"--inputs: unknown {sorted(unknown)}; choose text, pre-tokenized")
     from bench.corpora import resolve_corpus
-    from service.cluster import usable_cpus
+    from client.cluster import usable_cpus
 
     have = usable_cpus()
     cores = ([int(c) for c in args.cores.split(",")] if args.cores else

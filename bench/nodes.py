@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from ray.cluster_utils import Cluster
 
     from bench.serve_ranks import bench_config
-    from service.cluster import connect
+    from client.cluster import connect
     from service.demo_corpus import build_demo_corpus
 
     raw = bench_config(build_demo_corpus(), args.seq_len, args.global_batch_size)

@@ -180,7 +180,7 @@ def naive_ray_data(jsonl_path, L: int, n: int, batch_size: int = 64) -> dict:
     import ray
 
     if not ray.is_initialized():
-        raise RuntimeError("naive_ray_data: connect to Ray first (service.cluster.connect())")
+        raise RuntimeError("naive_ray_data: connect to Ray first (client.cluster.connect())")
     start = time.perf_counter()
     # The read takes no CPU slot: with `n` actors holding every slot, a read task that needs
     # one is never scheduled and the pipeline deadlocks (Ray Data backpressures it forever).

@@ -136,7 +136,7 @@ def _rank_process(argv: list[str]) -> int:
     import torch  # noqa: F401  (the feed's Arrow -> torch copy would import it on step 0)
 
     import trainer.feed  # noqa: F401
-    from service.cluster import client_address, connect
+    from client.cluster import client_address, connect
 
     gcs = sys.stdin.readline().strip()
     if not gcs:  # the run ended before it started Ray: never join another cluster
@@ -506,7 +506,7 @@ def main(argv=None) -> int:
     world = args.world_size
     ranks = (RankThreads(name, steps, world) if args.threads
              else RankProcesses(name, steps, work, world))  # fmt: skip
-    from service.cluster import connect, shutdown
+    from client.cluster import connect, shutdown
 
     print(f"[serve_ranks {time.monotonic() - t_start:5.1f}s] imports done; starting Ray",
           file=sys.stderr, flush=True)  # fmt: skip

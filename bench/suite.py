@@ -227,8 +227,8 @@ def main(argv=None) -> int:
     import ray
 
     from bench import peers
+    from client.cluster import connect
     from pipeline.read.resolve import parse_config
-    from service.cluster import connect
     from service.demo import demo_config
     from service.demo_corpus import build_demo_corpus
 

@@ -56,8 +56,8 @@ def main(argv=None) -> int:
 
     import ray
 
+    from client.cluster import connect
     from pipeline.read.resolve import parse_config
-    from service.cluster import connect
     from service.demo_corpus import build_demo_corpus
     from service.export import run_export
 

@@ -2,7 +2,8 @@
 
 Floors, from the ground up (a module belongs to the floor of the longest name that prefixes
 it). A module may import from its own floor or any floor below; an import that runs up is an
-error, and so is any import circle between modules, on one floor or across floors. Every
+error, and so is any import circle between modules, on one floor or across floors. A floor in
+STANDS_ON may import only the floors it names (the trainer: the wire and the client). Every
 import counts: at the top of a file, inside a function, under TYPE_CHECKING.
 
     python dev-extras/layers.py [ROOT]      # ROOT: the repository (default: this one)
@@ -16,6 +17,7 @@ from pathlib import Path
 
 FLOORS: list[tuple[str, str]] = [
     ("wire", "what crosses a process: protocol, batch schema, step layout, Arrow IPC"),
+    ("client", "finding and joining what runs: which Ray and its auth, the services' records"),
     ("pipeline.config", "the run's configuration"),
     ("pipeline.tokenize", "a tokenizer loaded and proven exact"),
     ("pipeline.read", "files, formats, records, tokenized blocks"),
@@ -29,7 +31,10 @@ FLOORS: list[tuple[str, str]] = [
     ("trainer", "the trainer side: feeds, adapters, the demo model"),
     ("bench", "benchmarks"),
 ]
-PACKAGES = ("wire", "pipeline", "service", "trainer", "bench")
+PACKAGES = ("wire", "client", "pipeline", "service", "trainer", "bench")
+# Floors that stand on a few floors only, not on everything below them: a trainer rank needs
+# the wire and the client, never the data plane or the control plane (a thin client).
+STANDS_ON: dict[str, tuple[str, ...]] = {"trainer": ("wire", "client", "trainer")}
 
 
 def modules(root: Path) -> dict[str, Path]:
@@ -135,6 +140,12 @@ def check(root: Path) -> list[str]:
         for target, line in imports(path, name, known):
             graph[name].add(target)
             theirs = floor_of(target)
+            allowed = STANDS_ON.get(FLOORS[mine][0])
+            if allowed is not None and FLOORS[theirs][0].split(".")[0] not in allowed:
+                errors.append(
+                    f"{path.relative_to(root)}:{line}: imports {target}, but {FLOORS[mine][0]} "
+                    f"stands on {', '.join(allowed)} only"
+                )
             if theirs > mine:
                 errors.append(
                     f"{path.relative_to(root)}:{line}: imports {target} from a higher floor "

@@ -115,8 +115,8 @@ def _executor(args, ready) -> Executor | None:
     """Where an export tokenizes: in this process (`--local`), on a warm pool of actors
     (`--pool N`, and by default when joining a running cluster, sized to its CPUs: a pool
     there outlives this export, so the next one finds it warm), or on Ray Data tasks (None)."""
+    from client.cluster import requested_address
     from pipeline.read.reading import iter_blocks_local
-    from service.cluster import requested_address
 
     if args.local:
         return iter_blocks_local
@@ -131,7 +131,7 @@ def _quiet_thread_init() -> None:
     """Drop Ray's "SIGTERM handler is not set because current thread is not the main thread".
 
     `ray.init` says so whenever it runs off the main thread, as the export's background
-    connect does (service/cluster.py `connect_in_background`). Nothing is lost: without Ray's
+    connect does (client/cluster.py `connect_in_background`). Nothing is lost: without Ray's
     handler SIGTERM ends the export at once, as it would any process, and an embedded Ray's
     processes go with it (they die with their parent, see `entry`)."""
     import logging
@@ -146,7 +146,7 @@ def cmd_export(args) -> int:
 
     ready = None
     if not args.local:  # Ray starts (or is joined) while the config loads and the feed starts
-        from service.cluster import connect_in_background
+        from client.cluster import connect_in_background
 
         _quiet_thread_init()
         ready = connect_in_background(args.address)
@@ -208,7 +208,7 @@ def _needs_ray(ready, address: str | None, report: ExportReport) -> bool:
     when the head start made every token. A private embedded Ray that no unit ran on is not:
     the export is complete and correct, and waiting would only spend Ray's 3-9 s start-up on
     nothing (small exports). Its processes end with this one."""
-    from service.cluster import requested_address
+    from client.cluster import requested_address
 
     used = report.phases.tokens_made_by_executor > 0
     return used or ready.done() or requested_address(address) is not None

@@ -61,7 +61,7 @@ def run_demo(
 ) -> dict:
     import ray
 
-    from service.cluster import connect, shutdown
+    from client.cluster import connect, shutdown
     from service.serve import _close, start_server
 
     corpus = build_demo_corpus()

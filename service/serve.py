@@ -13,7 +13,7 @@ nothing depends on it any more:
 Before any rank connects, the end of the data ends nothing: a late rank still finds every
 step. Exiting stops production, closes the feed's reads and the actor, and takes a few seconds.
 
-A service named N also leaves a record (`service.records`: the Ray address, the pid, the API
+A service named N also leaves a record (`client.records`: the Ray address, the pid, the API
 URL), claimed atomically before it starts, so that `tokenmill stop/status --name N`,
 `Feed.connect` and the adapters find it without an address, and a second `serve --name N`
 on the machine is refused. The record is removed on exit; a stale one is ignored.
@@ -32,9 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.config import REVEAL_SECRETS, Config
-from pipeline.lanes.placing import wait_placed
-from service.records import (
+from client.records import (
     ServiceExists,
     alive,
     claim,
@@ -45,7 +43,9 @@ from service.records import (
     release,
     start_time,
 )
-from service.records import service_file as service_file
+from client.records import service_file as service_file
+from pipeline.config import REVEAL_SECRETS, Config
+from pipeline.lanes.placing import wait_placed
 from service.server import BatchServer
 from wire.protocol import CONCURRENCY_GROUPS, FAILED, NAMESPACE, SERVICE_NAME, STOPPING
 
@@ -154,8 +154,8 @@ def run_serve(cfg: Config, resume: dict | None = None, address: str | None = Non
     import ray
     import uvicorn
 
+    from client.cluster import connect, shutdown
     from service.api import Backend, api_token, create_app
-    from service.cluster import connect, shutdown
 
     host = host or os.environ.get("TOKENMILL_HOST") or cfg.service.host
     port = port if port is not None else int(os.environ.get("TOKENMILL_PORT", cfg.service.port))
@@ -378,8 +378,8 @@ def _find(name: str, address: str | None):
     return its actor handle, or None."""
     import ray
 
-    from service.cluster import client_address, connect, requested_address
-    from service.records import live_records
+    from client.cluster import client_address, connect, requested_address
+    from client.records import live_records
 
     if address is None and read_record(name) is None and requested_address(None) is None:
         others = sorted(live_records())
@@ -398,7 +398,7 @@ def _find(name: str, address: str | None):
 def run_status(name: str, address: str | None, as_json: bool = False) -> int:
     import ray
 
-    from service.cluster import shutdown
+    from client.cluster import shutdown
 
     try:
         actor = _find(name, address)
@@ -444,7 +444,7 @@ def run_stop(name: str, address: str | None, timeout_s: float = 600.0, now: bool
     serve's own Ray, left it. Killed if it has not exited within `timeout_s`."""
     import ray
 
-    from service.cluster import shutdown
+    from client.cluster import shutdown
 
     try:
         actor = _find(name, address)

@@ -99,7 +99,7 @@ def ray_cluster():
     """A real local Ray, shared by the session, with a capped object store."""
     import ray
 
-    from service.cluster import connect
+    from client.cluster import connect
 
     # TEST_SLOTS of a custom resource, for the tests that place actors by resources.
     started = connect(object_store_memory=256 << 20, num_cpus=2,

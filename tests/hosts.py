@@ -140,7 +140,7 @@ class Hosts:
         self.logs = logs
         self.bridge = f"{self.prefix}-br"
         # Ray's token: the cluster's own. The nodes run in token mode; tokenmill's processes
-        # get only the token's file and follow the cluster (service/cluster.py follow_auth).
+        # get only the token's file and follow the cluster (client/cluster.py follow_auth).
         self.token = logs / "ray_token"
         self.token.write_text(secrets.token_hex(32))
         base = {k: v for k, v in (env or os.environ).items() if k not in UNSET}
@@ -218,7 +218,7 @@ class Hosts:
 NODES = r"""
 import json, sys, time
 import ray
-from service.cluster import ClusterError, connect
+from client.cluster import ClusterError, connect
 n, deadline = int(sys.argv[2]), time.time() + float(sys.argv[3])
 while True:  # the head's GCS may not listen yet
     try:

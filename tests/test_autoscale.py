@@ -42,7 +42,7 @@ feed.close()
 LOOK = r"""
 import json, sys, urllib.request
 import ray
-from service.cluster import connect
+from client.cluster import connect
 base = sys.argv[1]
 st = json.loads(urllib.request.urlopen(base + "/v1/status", timeout=10).read())
 prom = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()

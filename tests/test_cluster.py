@@ -143,7 +143,7 @@ def test_nothing_calls_ray_init_after_tokenmill_shut_its_ray_down(foreign):
     """A straggling thread's Ray call must fail, not join the cluster Ray would find."""
     code = """
 import ray
-from service.cluster import connect, shutdown
+from client.cluster import connect, shutdown
 shutdown(connect(num_cpus=1, object_store_memory=100 << 20))
 try:
     ray.put(1)

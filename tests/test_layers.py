@@ -15,7 +15,7 @@ def run(root: Path) -> subprocess.CompletedProcess:
 
 
 def house(tmp_path: Path) -> Path:
-    for top in ("wire", "pipeline", "service", "trainer", "bench"):
+    for top in ("wire", "client", "pipeline", "service", "trainer", "bench"):
         shutil.copytree(ROOT / top, tmp_path / top, ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
@@ -54,7 +54,7 @@ def test_the_wire_imports_nothing_above_it(tmp_path):
     proto = root / "wire" / "protocol.py"
     proto.write_text(
         proto.read_text()
-        + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from service.cluster import client_address\n"
+        + "\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from client.cluster import client_address\n"
     )
     r = run(root)
     assert r.returncode == 1 and "wire/protocol.py:" in r.stdout
@@ -72,3 +72,17 @@ def test_a_rank_loading_the_service_class_imports_no_pipeline():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_trainer_stands_on_the_wire_and_the_client_only(tmp_path):
+    root = house(tmp_path)
+    feed = root / "trainer" / "feed.py"
+    feed.write_text(
+        feed.read_text() + "\n\ndef _late():\n    from service.serve import run_status\n"
+    )
+    r = run(root)
+    assert r.returncode == 1
+    assert (
+        "trainer/feed.py:" in r.stdout
+        and "trainer stands on wire, client, trainer only" in r.stdout
+    )

@@ -224,7 +224,7 @@ def test_serve_outlives_its_ranks_at_the_end_of_the_data(ray_cluster, tmp_path):
 def test_a_second_serve_of_the_same_name_is_refused(tmp_path, monkeypatch):
     """The record is claimed atomically: a second `serve --name N` on this machine is refused
     before it starts anything, and `stop --name missing` says no such service is recorded."""
-    from service.records import ServiceExists, claim, release
+    from client.records import ServiceExists, claim, release
 
     monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path / "cache"))
     mine = claim("twice")
@@ -235,7 +235,7 @@ def test_a_second_serve_of_the_same_name_is_refused(tmp_path, monkeypatch):
         release(mine)
     # A record whose pid now belongs to another process (pid reuse, a restarted container) is
     # stale: its start time differs.
-    from service.records import read_record, service_file
+    from client.records import read_record, service_file
 
     service_file("reused").write_text(json.dumps(
         {"name": "reused", "pid": os.getpid(), "host": __import__("socket").gethostname(),

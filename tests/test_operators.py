@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from client.records import claim, live_records, records_dir, release, service_file
 from pipeline.config import ConfigError
 from pipeline.read.resolve import parse_config
-from service.records import claim, live_records, records_dir, release, service_file
 from service.serve import PortTaken, bind_api
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.rayhead import free_port, wait_http

@@ -8,7 +8,7 @@
 
 Finding the service: `address` if given, else the service's record on this machine (what
 `tokenmill serve --name N` wrote, as `tokenmill status` finds it), else RAY_ADDRESS, else the
-one Ray cluster running here (`service.cluster.client_address`).
+one Ray cluster running here (`client.cluster.client_address`).
 
 Liveness: a thread beats every few seconds with the step this rank has consumed, so a rank
 that trains slowly on the steps it fetched (up to 32 per call) is never declared lost; only
@@ -182,11 +182,11 @@ def stream_loss(batch: dict, token_loss) -> dict[str, list[float]]:
 
 
 def _wait_for_cluster(address: str | None, service: str, deadline: float) -> str:
-    """The cluster to join (service.cluster.client_address), waiting until `deadline` for a
+    """The cluster to join (client.cluster.client_address), waiting until `deadline` for a
     `serve` that is starting (its record, its Ray) rather than failing at once: trainers may be
     launched together with `serve`. Says what it waits for every 10 s."""
-    from service.cluster import ClusterError, client_address
-    from service.records import read_record
+    from client.cluster import ClusterError, client_address
+    from client.records import read_record
 
     told = time.time()
     while True:
@@ -270,7 +270,7 @@ class Feed:
         of `world_size`; beats start (see the module's docstring)."""
         import ray
 
-        from service.cluster import connect
+        from client.cluster import connect
 
         check_service_name(service)
         deadline = time.time() + timeout_s

@@ -110,7 +110,7 @@ def _actor(i: int, idle_s: float):
 def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig,
                  size: int | None, idle_s: float, ready: Future | None) -> Iterator[pa.Table]:  # fmt: skip
     if ready is not None:
-        ready.result()  # Ray connects in the background (service/cluster.py)
+        ready.result()  # Ray connects in the background (client/cluster.py)
     import ray
 
     if not units:

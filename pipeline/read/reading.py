@@ -360,7 +360,7 @@ def tokenize_unit_json(unit: str, stream: dict, tokenizer: dict) -> pa.Table:
     """A worker's task body (Ray Data's, or a pool actor's): one unit (`Unit.to_json`)."""
     # One tokenizer thread per Ray worker: Ray already runs one worker per core. (Set here,
     # before the first encode builds rayon's pool, not through a job runtime_env: see
-    # service/cluster.py `connect`.)
+    # client/cluster.py `connect`.)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     tok = load_tokenizer(TokenizerConfig.model_validate(tokenizer))

@@ -2,7 +2,7 @@
 
 `tokenmill serve --name N` leaves `$TOKENMILL_CACHE/services/N.json` (its Ray address, pid,
 host, API URL). `tokenmill stop/status`, `Feed.connect` and every adapter find a service
-through it, as one rule (`service.cluster.client_address`). A record is claimed atomically
+through it, as one rule (`client.cluster.client_address`). A record is claimed atomically
 (O_EXCL) before its service starts, so two `serve --name N` on one machine cannot both run
 and overwrite each other's record; a record whose serve process is gone (SIGKILL) is stale
 and is removed by whoever finds it. Stdlib and wire/ only: the trainer side imports it too.

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from service.records import live_records, recorded_address
+from client.records import live_records, recorded_address
 from wire.protocol import NAMESPACE
 
 # Every Ray worker runs one tokenizer thread: Ray already runs one worker per core, and a
@@ -61,7 +61,7 @@ def requested_address(address: str | None) -> str | None:
 def client_address(address: str | None, service: str | None = None) -> str:
     """The cluster a client (a trainer rank, an adapter, `tokenmill stop/status`) joins, by
     one rule: the address named (`address`); else service `service`'s record on this
-    machine (`service.records`: what `serve` wrote); else TOKENMILL_RAY_ADDRESS or
+    machine (`client.records`: what `serve` wrote); else TOKENMILL_RAY_ADDRESS or
     RAY_ADDRESS; else the only Ray cluster running on this machine. Several is an error that
     lists them with the services recorded on each, never a guess."""
     if address:
