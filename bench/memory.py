@@ -1,4 +1,4 @@
-"""Memory while streaming a corpus several times the object-store cap (SPEC §4: flat).
+"""Memory while streaming a corpus several times the object-store cap (the bar: flat).
 
     python -m bench.memory [--cap-mb 128] [--times 5] [--json PATH]
 

@@ -1,4 +1,4 @@
-"""Peer baselines for `tokenmill bench` (SPEC §4): the same job done the way others do it.
+"""Peer baselines for `tokenmill bench`: the same job done the way others do it.
 
 Each peer reads a JSONL corpus (`{"text": ...}` per line), tokenizes every document with
 tokenmill's default tokenizer (cl100k_base converted to a HF `tokenizer.json`), appends

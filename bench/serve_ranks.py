@@ -3,7 +3,7 @@
     python -m bench.serve_ranks [--quick] [--json PATH] [--config PATH] [--threads]
         [--world-size 8] [--no-export]
 
-SPEC §4 "serving": 8 ranks that consume without a model receive >= 0.85 x the export's
+The bar, "serving": 8 ranks that consume without a model receive >= 0.85 x the export's
 steady rate; p99 `next(feed)` reported. One run, on one private local Ray (object store
 capped at 512 MiB), over one config (default: the demo corpus's pretraining stream, seq_len
 2048, global batch 32, i.e. 4 rows of 2048 per rank and step):

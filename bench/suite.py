@@ -1,4 +1,4 @@
-"""`tokenmill bench`: tokenmill against the tokenizer limit and its peers, side by side (SPEC §4).
+"""`tokenmill bench`: tokenmill against the tokenizer limit and its peers, side by side.
 
     python -m bench.suite [--quick] [--json PATH] [--mode bfd|concat]
 
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
         "peak_object_store_bytes": max((r["store_peak"] for r in tm_runs), default=None),
         "demo": demo,
         "end_to_end": e2e,
-        "bars": {  # SPEC §4: ≥ 85% of the limit; ahead of every peer
+        "bars": {  # the bars: ≥ 85% of the limit; ahead of every peer
             "tokenmill_over_limit": tm.get("over_limit"),
             "meets_85pct_of_limit": tm.get("over_limit", 0) >= 0.85,
             "ahead_of_every_peer": bool(ran) and tm.get("over_best_peer", 0) > 1.0,

@@ -138,7 +138,7 @@ class Feed:
     def pad_id(self) -> int:
         return self._tokenizer.result().pad_id
 
-    # -- resumable state (SPEC M7; pipeline/stages/stage.py) ----------------------------------------
+    # -- resumable state (pipeline/stages/stage.py) -------------------------------------------------
 
     def get_state(self) -> dict:
         """The state as of now: a resumed feed produces step `state["step"]` next.

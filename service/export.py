@@ -349,9 +349,9 @@ def _timings(reads: FirstReads, started, begun, files: _StepFiles, marks) -> dic
     - `steady_tokens_per_s`: real tokens / (last step - the feed's start). Tokenizing begins
       when the feed starts (this process's head start, or `--local`), so the window is the
       whole production, imports, Ray's start and the tokenizer's load left out: no drain of a
-      filled prefetch queue can inflate it. (It used to open at the first tokenized block in,
-      which left that block's tokenizing out of the window but its tokens in: ~6-8% high on
-      the man pages, whose units are 8 MB.) With lanes it opens as the lanes are started
+      filled prefetch queue can inflate it. (Opening it at the first tokenized block would
+      leave that block's tokenizing out of the window but its tokens in: ~6-8% high on the
+      man pages, whose units are 8 MB.) With lanes it opens as the lanes are started
       (their constructors begin reading; their tokenizers' load falls inside);
     - `startup_s`: process start to the export's own start (imports, Ray start or connect);
     - `phases`: when each stage was first reached, in seconds from process start, and the

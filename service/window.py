@@ -151,9 +151,6 @@ class StepWindow:
 
     # -- consumer side ------------------------------------------------------------------------
 
-    def touch(self, rank: int) -> None:
-        self.ranks[rank].seen = self.clock()
-
     def beat(self, rank: int, world_size: int, consumed: int) -> bool:
         """A sign of life from rank `rank`, which has consumed every step before `consumed`.
         False if it belongs to another world than the one served (it must reconnect)."""

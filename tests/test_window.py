@@ -98,7 +98,7 @@ def test_a_lost_rank_that_returns_for_a_held_step_carries_on():
     w.take(1, 2, 0)
     clock.t += 11
     assert w.rank_view()[1]["lost"]
-    w.touch(0)
+    assert w.beat(0, 2, 0)  # rank 0 alive meanwhile
     assert w.take(1, 2, 1) == "batch1"
     assert not w.rank_view()[1]["lost"]
 

@@ -1,4 +1,4 @@
-"""The trainer's feed client (SPEC §3.4): pull this rank's batches from a tokenmill service.
+"""The trainer's feed client: pull this rank's batches from a tokenmill service.
 
     feed = Feed.connect(service="tokenmill", rank=r, world_size=w)
     for batch in feed:            # dict of torch tensors [B, L], plus seq_lens and global_step

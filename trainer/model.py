@@ -1,7 +1,7 @@
 """The model config and packed-row attention for the thin trainer.
 
 The model is a small Llama-architecture causal LM built from a `LlamaConfig`, so nothing is
-downloaded. A served row packs several documents (SPEC §3.2): `position_ids` restart at every
+downloaded. A served row packs several documents (docs/architecture.md, "Batch schema"): `position_ids` restart at every
 segment and `segment_ids` are 1..k on the segments and 0 on padding. Attention must not cross
 a segment boundary, and there are two ways to enforce that:
 

@@ -4,7 +4,7 @@
         [--address ADDR] [--grad-accum K] [--lr LR] [--checkpoint DIR] [--resume] \
         [--log-json PATH]
 
-The only data code here is the feed client (SPEC §3.4). One optimizer step consumes
+The only data code here is the feed client (trainer/feed.py). One optimizer step consumes
 `grad_accum` micro-batches per rank. The loss is token-weighted: every labelled token of the
 global step (all micro-batches, all ranks) counts once, so K micro-batches of B rows give the
 same update as one batch of K*B rows whatever the number of real tokens per micro-batch. That

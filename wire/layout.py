@@ -1,6 +1,6 @@
 """Export step files: the full batch schema, or a compact layout that a reader expands.
 
-`full` writes every column of the batch schema (SPEC §3.2), as served. `compact` (the
+`full` writes every column of the batch schema (wire/schema.py), as served. `compact` (the
 default of `tokenmill export`) leaves out what the other columns determine:
 
 - `position_ids` and `segment_ids` follow from `seq_lens` (0,1,2… and 1..k per segment);

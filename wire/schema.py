@@ -1,4 +1,4 @@
-"""The batch schema (SPEC §3.2) and the vectorized assembly of packed rows into it.
+"""The batch schema and the vectorized assembly of packed rows into it.
 
 Rows arrive as lists of segments; the assembly gathers every segment's tokens with one
 `np.concatenate` and scatters them with index arithmetic (no per-token Python). Labels follow

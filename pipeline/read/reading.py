@@ -1,7 +1,7 @@
 """Read + tokenize, fused into one Ray Data task per *unit* (a group of consecutive pieces).
 
 Why fused and grouped: on a small machine Ray's per-task overhead dominates when tasks are
-small (DEVELOPERS.md measured 23% of the tokenizer limit with 64 small blocks, 63% with 8 large
+small (measured here: 23% of the tokenizer limit with 64 small blocks, 63% with 8 large
 ones). A unit therefore covers ``read.block_bytes`` of input (default 8 MiB), except the first
 few units of an epoch, which ramp up from ``read.first_block_bytes`` so the first batch comes
 quickly. The task body lives in this importable module so that each Ray worker process keeps

@@ -5,7 +5,7 @@ How a file is reached (`Access`, `Piece`, `PieceError`) is `access.py`.
 A *piece* is a contiguous run of records of one file: a line-aligned byte range of a JSONL file,
 a Parquet row group, a run of Arrow record batches, an MDS shard, or a whole text file. Pieces
 carry their first record index, so every record gets ``doc_id = (file_index << 32) |
-record_index`` (SPEC §3.2) without reading what comes before it, which is also what lets a
+record_index`` (the batch schema) without reading what comes before it, which is also what lets a
 resumed run seek instead of re-reading.
 
 Reading yields ``(record_index, payload, error)``; bad records never raise here. Whether a bad

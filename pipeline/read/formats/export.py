@@ -1,4 +1,4 @@
-"""`format: export`: a `tokenmill export` directory read back as pre-tokenized documents (SPEC M12).
+"""`format: export`: a `tokenmill export` directory read back as pre-tokenized documents.
 
 The step files (`step-*-rank-*.parquet|.arrow`, either layout, in name order: global order) are
 one piece each; an MDS export (`DIR/mds/index.json`, columns `input_ids`, `labels`, `seq_lens`)
@@ -99,12 +99,12 @@ def _read_mds_rows(piece: Piece, access: Access):
 
 
 def _read_steps(piece: Piece, access: Access):
-    """Documents of one export step file: its rows' segments, in order (SPEC §3.2 schema).
+    """Documents of one export step file: its rows' segments, in order (the batch schema, wire/schema.py).
 
     Value: (tokens int32, loss int8) where loss is 1 where `labels` is not -100. Consecutive
     segments of one document (same `stream` and `doc_id`, contiguous `doc_offset`: a document
     split across rows of this file) are joined back into one. The record index counts the documents of
-    the file. A segment's first token always has label -100 (SPEC §3.2), so its loss flag is
+    the file. A segment's first token always has label -100 (wire/schema.py), so its loss flag is
     0 here; re-packing masks it again anyway.
     """
     import numpy as np
