@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -278,10 +278,11 @@ class Feed:
         return rows
 
     def set_weights(self, weights: dict[str, float], effective_step: int | None = None,
-                    source: str = "api") -> int:  # fmt: skip
+                    source: str = "api", wait: bool = True) -> int:  # fmt: skip
         """New target weights from global step `effective_step` (default: the next step to be
         produced). Never retroactive; recorded in the mixture history with `source` (who
-        asked: "api", or "policy" for mixing.policy). Returns the step."""
+        asked: "api", or "policy" for mixing.policy). Returns the step. (`wait`: lanes only;
+        here the change is made at once.)"""
         step = self.step if effective_step is None else int(effective_step)
         if step < self.step:
             raise ValueError(
@@ -293,6 +294,32 @@ class Feed:
         """Stop all reading (background Ray Data executions). The feed is done after this."""
         for s in self.streams:
             s.close()
+
+    # -- StepSource: what only lanes do, nothing here (this process makes every row) --------
+    hold = False
+    ranks_behind = False
+    key: str | None = None
+    waited_s: float | None = None
+    depth: int | None = None
+
+    @property
+    def restarted(self) -> list[dict]:
+        return []
+
+    def release(self, below: int) -> None:
+        pass
+
+    def check_placed(self) -> None:
+        pass
+
+    def check_lane(self, lane: int) -> None:
+        pass
+
+    def stop_reading(self) -> None:
+        self.close()
+
+    def lane_view(self) -> list[dict] | None:
+        return None
 
     def summary(self) -> RunSummary:
         return summarize(self)
@@ -332,31 +359,59 @@ def rank_runs(
     return runs_of(parts, rank, world_size)
 
 
-class Steps(Protocol):
-    """What makes global steps: a `Feed`, or lanes joined (pipeline/lanes/feed.py)."""
+class StepSource(Protocol):
+    """What makes global steps, behind one interface: a `Feed` (this process makes every row)
+    or a `LanedFeed` (pipeline/lanes/feed.py: K lanes make them; with `hold` the lanes keep
+    the rows and ranks take them from there). The batch server, its producer and `export` use
+    a source only through this, never asking which one it is. What only lanes do is a no-op
+    (or None) on a `Feed`."""
 
-    step: int
+    step: int  # the next global step to make
+    rows: int  # rows made so far
+    real_tokens: int  # real tokens made so far
+    mixer: DeficitMixer  # the mixture: its weights, scheduled and realized
+    config_hash: str
+    hold: bool  # steps are LanedSteps whose rows stay in the lanes until `release`
+    ranks_behind: bool  # the ranks set the pace (the lanes may make ahead); set by the server
 
-    def next_step(self) -> pa.RecordBatch | None: ...
+    @property
+    def key(self) -> str | None: ...  # the name ranks fetch held rows by; None: no lanes
+
+    @property
+    def waited_s(self) -> float | None: ...  # the producer's wait on lanes; None: no lanes
+
+    @property
+    def depth(self) -> int | None: ...  # chunks asked of the lanes ahead; None: no lanes
+
+    def next_step(self) -> Any: ...  # a RecordBatch, a LanedStep (`hold`), or None at the end
+
+    def steps(self, n: int, state_every: int = 0) -> list[tuple[Any, dict | None]]: ...
 
     def get_state(self) -> dict: ...
 
+    def kept_state(self) -> Any: ...  # the state after the last step, sealed lazily
 
-def next_steps(
-    feed: Steps, n: int, state_every: int = 0
-) -> list[tuple[pa.RecordBatch, dict | None]]:
-    """Up to `n` steps, each with the state after it when its number of done steps is a
-    multiple of `state_every` (the state a resumed run needs to continue right after it)."""
-    if isinstance(feed, Feed):
-        return feed.steps(n, state_every)
-    out = []
-    for _ in range(n):
-        batch = feed.next_step()
-        if batch is None:
-            break
-        state = feed.get_state() if state_every and feed.step % state_every == 0 else None
-        out.append((batch, state))
-    return out
+    def set_weights(self, weights: dict[str, float], effective_step: int | None = None,
+                    source: str = "api", wait: bool = True) -> int: ...  # fmt: skip
+
+    @property
+    def restarted(self) -> list[dict]: ...  # lanes started again after their process died
+
+    def release(self, below: int) -> None: ...  # held steps before `below` are taken
+
+    def check_placed(self) -> None: ...  # a lane started again is placed, or fails naming it
+
+    def check_lane(self, lane: int) -> None: ...  # a rank met `lane` gone: start it again
+
+    def stop_reading(self) -> None: ...  # a source a skip replaced: its held steps stay
+
+    def lane_view(self) -> list[dict] | None: ...  # where each lane runs (metrics `lanes`)
+
+    def summary(self) -> RunSummary: ...
+
+    def totals(self) -> RunTotals: ...
+
+    def close(self) -> None: ...
 
 
 def _tokenizer(cfg: Config, here: bool) -> Future:

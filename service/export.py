@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import Config
-from pipeline.feed import Feed, LeaveOut, next_steps, rank_slice
+from pipeline.feed import Feed, LeaveOut, rank_slice
 from pipeline.lanes import PENDING, LanedFeed, LanedStep, Writes
 from pipeline.read.reading import Executor, iter_blocks_local, ray_executor, with_head_start
 from pipeline.state.resume import check_laned_state, check_state
@@ -285,7 +285,7 @@ def run_export(
             files.writes = writes
             # Lanes that hold their steps (writing them) are started again when their process
             # dies, as under `serve` (service.lane_restarts): that needs their states at every
-            # step (the state files keep `state_every`: next_steps asks for those only).
+            # step (the state files keep `state_every`: `steps` asks for those only).
             restarts = cfg.service.lane_restarts if writes is not None else 0
             # The steady window opens as the lanes are started: their constructors begin
             # reading (and the first states, asked at once, wait for them).
@@ -300,11 +300,11 @@ def run_export(
         at_start = feed.totals()  # a resumed feed's counts start at its state's
         while steps is None or files.written < steps:
             want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
-            batches = next_steps(feed, want, state_every)
+            batches = feed.steps(want, state_every)
             for batch, state in batches:
                 if isinstance(batch, LanedStep):
                     files.from_lanes(batch, state, feed)  # type: ignore[arg-type]
-                    feed.release(batch.step + 1)  # type: ignore[union-attr]
+                    feed.release(batch.step + 1)
                 else:
                     files.step(batch, state)
             files.rejects(feed)

@@ -13,8 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from pipeline.feed import Feed
-from pipeline.lanes import LanedFeed
+from pipeline.feed import StepSource
 from pipeline.state.resume import Kept, Nested
 from service.window import StepWindow
 from wire.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
@@ -23,13 +22,13 @@ from wire.protocol import FAILED, FINISHED, PAUSED, RUNNING, STARTING
 class Producer:
     def __init__(
         self,
-        feed: Feed | LanedFeed,
+        feed: StepSource,
         window: StepWindow,
         cond: threading.Condition,
         keep_states: int = 10_000,
         on_step: Callable[[], None] | None = None,
         on_change: Callable[[], None] | None = None,
-        gate: Callable[[Feed | LanedFeed, int, Callable[[], bool]], bool] | None = None,
+        gate: Callable[[StepSource, int, Callable[[], bool]], bool] | None = None,
     ):
         self.feed = feed
         self.window = window
@@ -103,9 +102,10 @@ class Producer:
                     self.state = PAUSED if self.paused else RUNNING
                     while not self._stop and (self.paused or not self.window.room()):
                         self.state = PAUSED if self.paused else RUNNING
-                        if isinstance(self.feed, LanedFeed):  # the ranks set the pace now
-                            self.feed.ranks_behind = True  # until one waits (server.get)
-                            self.feed.check_placed()  # a lane a rank started again
+                        # The ranks set the pace now, until one waits (server.get); a lane
+                        # a rank started again is placed, or fails naming it.
+                        self.feed.ranks_behind = True
+                        self.feed.check_placed()
                         self.cond.wait(timeout=1.0)
                     if self._stop:
                         return

@@ -58,8 +58,7 @@ from wire.protocol import (
 
 if TYPE_CHECKING:
     from pipeline.config import Config
-    from pipeline.feed import Feed, LeaveOut
-    from pipeline.lanes import LanedFeed
+    from pipeline.feed import LeaveOut, StepSource
 
 # The pipeline is imported where it is used, not here: a rank's `ray.get_actor` loads this
 # class, so every rank imports this module too (with the pipeline and pydantic, that cost
@@ -228,7 +227,7 @@ class BatchServer:
         self._closed = threading.Event()
         # Laned feeds a skip replaced, with the first step they did not make: their lanes
         # hold rows of the steps before it until every rank has fetched them.
-        self._retired: list[tuple[int, LanedFeed]] = []
+        self._retired: list[tuple[int, StepSource]] = []
         self.demand = None
         self._start_feed(state, allow_config_change, leave_out)
         scale = self.cfg.service.autoscale
@@ -285,7 +284,7 @@ class BatchServer:
         return carried
 
     def _make_feed(self, state: dict | None, allow_config_change: bool = False,
-                   leave_out: LeaveOut | None = None) -> Feed | LanedFeed:  # fmt: skip
+                   leave_out: LeaveOut | None = None) -> StepSource:  # fmt: skip
         """A Feed at `state`; a state that does not fit raises here, before anything changes.
 
         Reads as an export does: this process tokenizes the first units itself (the head
@@ -337,7 +336,7 @@ class BatchServer:
                 raise
             raise StateError(f"resume state refused: {type(e).__name__}: {e}") from None
 
-    def _install(self, feed: Feed | LanedFeed) -> None:
+    def _install(self, feed: StepSource) -> None:
         # A new sequence (the first, or a resume's seek): ranks that connected to an earlier
         # one are told so when they ask (`get`), instead of waiting for steps that never come.
         self.generation = getattr(self, "generation", -1) + 1
@@ -346,7 +345,7 @@ class BatchServer:
         self.producer = self._producer(feed)
         self.producer.start()  # after the assignment: its first step's callbacks read it
 
-    def _producer(self, feed: Feed | LanedFeed):
+    def _producer(self, feed: StepSource):
         from service.producer import Producer
 
         return Producer(
@@ -522,8 +521,7 @@ class BatchServer:
                     linger_until = linger_until or time.monotonic() + LINGER_S
                     left = linger_until - time.monotonic()
                     if left > 0:
-                        if hasattr(self.feed, "ranks_behind"):
-                            self.feed.ranks_behind = False  # it waits for the lanes' steps
+                        self.feed.ranks_behind = False  # it waits for the lanes' steps
                         self._linger_for[rank] = step + want
                         try:
                             self._lingering.wait(timeout=left)
@@ -553,7 +551,7 @@ class BatchServer:
                 if left <= 0:
                     return StepReply("wait", reason=self._why_waiting())
                 waited = True
-                if not self.producer.paused and hasattr(self.feed, "ranks_behind"):
+                if not self.producer.paused:
                     self.feed.ranks_behind = False  # a rank waits for the lanes' steps
                 self._cond.wait(timeout=min(left, 1.0))
         from pipeline.feed import rank_runs
@@ -575,8 +573,8 @@ class BatchServer:
         running feed's, or those of a feed a skip replaced whose steps ranks still take."""
         with self._cond:
             for feed in (self.feed, *(f for _, f in self._retired)):
-                if getattr(feed, "key", None) == key:
-                    return list(feed.handles)  # type: ignore[union-attr]  # as they are now
+                if feed.key is not None and feed.key == key:
+                    return list(feed.handles)  # type: ignore[attr-defined]  # as they are now
         from wire.lanes import LaneGone
 
         raise LaneGone(
@@ -589,10 +587,8 @@ class BatchServer:
         """A rank met lane `lane` of the lanes named `key` gone (wire/lanes.py LaneGone): the
         running feed starts it again if its process died and it has restarts left
         (`service.lane_restarts`), and the rank gets the lanes' actors as they are now."""
-        from pipeline.lanes import LanedFeed
-
         feed = self.feed
-        if isinstance(feed, LanedFeed) and feed.key == key:
+        if feed.key is not None and feed.key == key:
             feed.check_lane(lane)
         return list(self.lane_handles(key))
 
@@ -600,12 +596,12 @@ class BatchServer:
         """Under the lock: lanes that hold the rows (`lanes` > 1) may let go of the steps every
         live rank has fetched; lanes a skip replaced (`_retired`) close once none of their
         steps is needed."""
-        holding = getattr(self.feed, "hold", False)  # a LanedFeed whose lanes keep the rows
+        holding = self.feed.hold  # lanes that keep the rows
         if not self._retired and not holding:
             return  # lanes: 1, nothing held elsewhere
         below = self.window.fetched_floor()
         if holding:
-            self.feed.release(below)  # type: ignore[union-attr]
+            self.feed.release(below)
         done = [feed for end, feed in self._retired if end <= below]
         if done:
             self._retired = [(end, feed) for end, feed in self._retired if end > below]
@@ -778,7 +774,7 @@ class BatchServer:
                 self.producer.set_paused(paused)
                 raise
             old = self.producer
-            held = getattr(old.feed, "hold", False)  # its lanes hold rows ranks may fetch
+            held = old.feed.hold  # its lanes hold rows ranks may fetch
             old.stop(close=not held)  # idle and paused: at once; closes the old feed's reads
             if held:
                 old.feed.stop_reading()
@@ -852,7 +848,7 @@ class BatchServer:
                 self._replaying.release()
         return batches
 
-    def _swap(self, feed: Feed | LanedFeed, old, paused: bool) -> None:
+    def _swap(self, feed: StepSource, old, paused: bool) -> None:
         """Under the lock: `feed` (at the step `old` stopped at) makes the steps from here on,
         into the same window; the states kept so far stay."""
         self.feed = feed
@@ -877,12 +873,8 @@ class BatchServer:
             # The first step whose production has not begun; it changes only under this lock
             # (feed.step moves inside next_step, outside it), so concurrent calls agree and
             # the schedule never goes backwards, also across the end of the data.
-            from pipeline.lanes import LanedFeed
-
-            if isinstance(self.feed, LanedFeed):  # its lanes confirm it as they come to it
-                step = self.feed.set_weights(weights, self.producer.first_open, wait=False)
-            else:
-                step = self.feed.set_weights(weights, self.producer.first_open)
+            # Lanes confirm it as they come to it (`wait=False`); a Feed changes at once.
+            step = self.feed.set_weights(weights, self.producer.first_open, wait=False)
             self._sample(force=True)
             return step
 
@@ -1069,11 +1061,11 @@ class BatchServer:
                 "global_step": self.window.produced,
                 "held_steps": len(self.window.steps),
                 # `lanes` > 1: where each lane runs and the steps it holds (pipeline/lanes/feed.py `lane_view`)
-                "lanes": self.feed.lane_view() if hasattr(self.feed, "lane_view") else None,
-                "lanes_waited_s": getattr(self.feed, "waited_s", None),  # producer, on lanes
-                "lanes_chunks_ahead": getattr(self.feed, "depth", None),  # LanedFeed.depth
+                "lanes": self.feed.lane_view(),
+                "lanes_waited_s": self.feed.waited_s,  # producer, on lanes
+                "lanes_chunks_ahead": self.feed.depth,  # LanedFeed.depth
                 # lanes started again after their process died (LanedFeed.restart)
-                "lanes_restarted": list(getattr(self.feed, "restarted", [])),
+                "lanes_restarted": list(self.feed.restarted),
                 "prefetch": self.prefetch,
                 # Row bytes that passed through this (the control) process to ranks, and the
                 # rank-steps they held: 0 with `lanes` > 1, where ranks pull from the lanes.

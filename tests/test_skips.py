@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pipeline.feed import Feed, LeaveOut, next_steps
+from pipeline.feed import Feed, LeaveOut
 from pipeline.inspect.provenance import documents_of, segments, stream_files
 from pipeline.read.reading import iter_blocks_local
 from pipeline.state.resume import StateError, check_state, seal
@@ -26,7 +26,7 @@ def _run(cfg, state=None, leave_out=None, state_every=0):
     try:
         made = []
         while True:
-            batch = next_steps(feed, 1, state_every)
+            batch = feed.steps(1, state_every)
             if not batch:
                 return made, feed.summary()
             made += batch
@@ -184,7 +184,7 @@ def test_lanes_leave_out_the_same_documents(tmp_path):
     def run(**kw) -> list:
         feed = LanedFeed(cfg, local=True, state_every=1, **kw)
         try:
-            return next_steps(feed, 10_000, 1)
+            return feed.steps(10_000, 1)
         finally:
             feed.close()
 
@@ -231,7 +231,7 @@ def _laned(cfg, state=None, leave_out=None, state_every=0):
 
     feed = LanedFeed(cfg, local=True, state=state, leave_out=leave_out, state_every=state_every)
     try:
-        return next_steps(feed, 10_000, state_every), None
+        return feed.steps(10_000, state_every), None
     finally:
         feed.close()
 

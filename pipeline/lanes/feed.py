@@ -252,6 +252,18 @@ class LanedFeed:
                 self._count([served_counts(made, self.names)])
         return made
 
+    def steps(self, n: int, state_every: int = 0) -> list[tuple[Any, dict | None]]:
+        """Up to `n` steps, each with the state after it when its number of done steps is a
+        multiple of `state_every` (the state a resumed run needs to continue right after)."""
+        out: list[tuple[Any, dict | None]] = []
+        for _ in range(n):
+            batch = self.next_step()
+            if batch is None:
+                break
+            state = self.get_state() if state_every and self.step % state_every == 0 else None
+            out.append((batch, state))
+        return out
+
     def release(self, below: int) -> None:
         """Every rank has taken the steps before `below` from the lanes (hold): the lanes may
         let them go, told with the next steps asked of them, or alone once the data has ended
