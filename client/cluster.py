@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from client.records import live_records, recorded_address
+from client.records import live_records, read_record, recorded_address
 from wire.protocol import NAMESPACE
 
 # Every Ray worker runs one tokenizer thread: Ray already runs one worker per core, and a
@@ -97,6 +99,28 @@ def client_address(address: str | None, service: str | None = None) -> str:
         f"{listed}. Name the service that runs (service=...) or the cluster "
         "(address=..., --address, or RAY_ADDRESS)"
     )
+
+
+def wait_for_cluster(address: str | None, service: str, deadline: float) -> str:
+    """The cluster to join (`client_address`), waiting until `deadline` (a `time.time()`)
+    for a `serve` that is starting (its record claimed, its Ray not up yet) rather than
+    failing at once: trainers and `tokenmill status` may be launched together with `serve`.
+    Says what it waits for every 10 s."""
+    told = time.time()
+    while True:
+        try:
+            rec = None if address else read_record(service)
+            if rec is not None and not rec.get("address"):  # claimed: its Ray is starting
+                raise ClusterError(f"its serve (pid {rec.get('pid')}) is starting its Ray")
+            return client_address(address, service)
+        except ClusterError as e:
+            if time.time() >= deadline:
+                raise
+            if time.time() - told >= 10:
+                told = time.time()
+                print(f"tokenmill: waiting for service {service!r} to start: {e}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            time.sleep(0.5)
 
 
 def auth_token_available() -> bool:

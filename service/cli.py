@@ -330,7 +330,7 @@ def cmd_stop(args) -> int:
 def cmd_status(args) -> int:
     from service.serve import run_status
 
-    return run_status(args.name, args.address, as_json=args.json)
+    return run_status(args.name, args.address, as_json=args.json, wait_s=args.wait)
 
 
 def _check_lanes(cfg) -> bool:
@@ -599,6 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if verb == "status":
             x.add_argument("--json", action="store_true", help="status and metrics as JSON")
+            x.add_argument("--wait", type=float, default=30.0,
+                           help="seconds to wait for a service that is starting (its record "
+                           "claimed, its Ray or actor not up yet); 0: answer at once (30)")  # fmt: skip
         else:
             x.add_argument("--now", action="store_true",
                            help="end every rank at once, without the steps already made")  # fmt: skip

@@ -373,35 +373,44 @@ def _close(actor) -> None:
 # -- tokenmill stop / status ----------------------------------------------------------------
 
 
-def _find(name: str, address: str | None):
+def _find(name: str, address: str | None, wait_s: float = 0.0):
     """Join the cluster of service `name` (found as a rank finds it: `client_address`) and
-    return its actor handle, or None."""
+    return its actor handle, or None. A service that is starting (its record claimed, its
+    Ray or its actor not up yet) is waited for up to `wait_s`, saying so every 10 s."""
     import ray
 
-    from client.cluster import client_address, connect, requested_address
+    from client.cluster import connect, requested_address, wait_for_cluster
     from client.records import live_records
 
+    deadline = time.time() + wait_s
     if address is None and read_record(name) is None and requested_address(None) is None:
         others = sorted(live_records())
         print(f"no tokenmill service named {name!r} is recorded on this machine"
               + (f" (running here: {', '.join(others)})" if others else "")
               + "; pass --address to look for it on another cluster", file=sys.stderr)  # fmt: skip
         return None
-    connect(client_address(address, name))
-    try:
-        return ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        print(f"no tokenmill service named {name!r}", file=sys.stderr)
-        return None
+    connect(wait_for_cluster(address, name, deadline))
+    told = time.time()
+    while True:
+        try:
+            return ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            if time.time() >= deadline:
+                print(f"no tokenmill service named {name!r}", file=sys.stderr)
+                return None
+            if time.time() - told >= 10:
+                told = time.time()
+                print(f"tokenmill: waiting for service {name!r} to start", file=sys.stderr)
+            time.sleep(0.25)
 
 
-def run_status(name: str, address: str | None, as_json: bool = False) -> int:
+def run_status(name: str, address: str | None, as_json: bool = False, wait_s: float = 0.0) -> int:
     import ray
 
     from client.cluster import shutdown
 
     try:
-        actor = _find(name, address)
+        actor = _find(name, address, wait_s)
         if actor is None:
             return 1
         st = ray.get(actor.status.remote(), timeout=10)

@@ -60,6 +60,10 @@ def test_stop_drains_and_never_kills_the_trainers(tmp_path, now):
         while not record.exists():
             assert time.time() < deadline and serve.poll() is None, log.read_text()[-2000:]
             time.sleep(0.05)
+        if not now:  # `status` launched with serve waits for it too (its record is claimed)
+            st = subprocess.run([sys.executable, "-m", "service", "status", "--name", name],
+                                env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+            assert st.returncode == 0 and f"service   {name}" in st.stdout, st.stdout + st.stderr
         outs = [tmp_path / f"rank{r}.json" for r in range(2)]
         ranks = [subprocess.Popen([sys.executable, "-c", RANK, name, str(r), str(outs[r]), "0.3"],
                                   env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip

@@ -181,30 +181,6 @@ def stream_loss(batch: dict, token_loss) -> dict[str, list[float]]:
     return out
 
 
-def _wait_for_cluster(address: str | None, service: str, deadline: float) -> str:
-    """The cluster to join (client.cluster.client_address), waiting until `deadline` for a
-    `serve` that is starting (its record, its Ray) rather than failing at once: trainers may be
-    launched together with `serve`. Says what it waits for every 10 s."""
-    from client.cluster import ClusterError, client_address
-    from client.records import read_record
-
-    told = time.time()
-    while True:
-        try:
-            rec = None if address else read_record(service)
-            if rec is not None and not rec.get("address"):  # claimed: its Ray is starting
-                raise ClusterError(f"its serve (pid {rec.get('pid')}) is starting its Ray")
-            return client_address(address, service)
-        except ClusterError as e:
-            if time.time() >= deadline:
-                raise
-            if time.time() - told >= 10:
-                told = time.time()
-                print(f"tokenmill: waiting for service {service!r} to start: {e}",
-                      file=sys.stderr, flush=True)  # fmt: skip
-            time.sleep(0.5)
-
-
 class Feed:
     # Steps fetched per call, at most (the service's prefetch window caps it, and so does
     # protocol.REPLY_BYTES). A rank's cost is mostly per call (Ray's RPC on both sides), so a
@@ -270,13 +246,13 @@ class Feed:
         of `world_size`; beats start (see the module's docstring)."""
         import ray
 
-        from client.cluster import connect
+        from client.cluster import connect, wait_for_cluster
 
         check_service_name(service)
         deadline = time.time() + timeout_s
         with _CONNECT_LOCK:  # ranks may be threads of one process (tests, simulators)
             if not ray.is_initialized():
-                connect(_wait_for_cluster(address, service, deadline))
+                connect(wait_for_cluster(address, service, deadline))
                 # Ray builds its serializer on a process's first object (~0.2 CPU-s: it
                 # imports pydantic): here, while the service may still be starting, not in
                 # the first call to it.
