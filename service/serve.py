@@ -423,9 +423,11 @@ def run_status(name: str, address: str | None, as_json: bool = False, wait_s: fl
     owner = st.get("owner") or {}
     print(f"service   {name}  {st['state']}  step {st['global_step']}  "
           f"up {st['uptime_s']:.0f}s  API {owner.get('api', '?')}")  # fmt: skip
-    print(
-        f"world     {st['world_size']}  connected {st['ranks_connected']}  lost {st['lost_ranks']}"
-    )
+    # A rank that said hello counts as connected; `live`: neither lost nor left.
+    live = st["ranks_connected"] - len(st["lost_ranks"]) - len(st.get("left_ranks") or [])
+    print(f"world     {st['world_size']}  ranks connected {st['ranks_connected']}: live {live}, "
+          f"lost {st['lost_ranks'] or 'none'}"
+          + (f", left {st['left_ranks']}" if st.get("left_ranks") else ""))  # fmt: skip
     print(f"rate      made {m['tokens_per_s']:,.0f} tok/s  trainers take "
           f"{m.get('consumed_tokens_per_s') or 0:,.0f} tok/s  packing "
           f"{100 * m['packing_efficiency']:.2f}%  held steps {m['held_steps']}/{m['prefetch']}  "
