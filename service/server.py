@@ -105,19 +105,6 @@ def _placed(place, cpus: int) -> str | None:
         return f"{type(e).__name__}: {e}"
 
 
-def _ranges(steps: list[int]) -> str:
-    """[3, 4, 5, 9] -> "3-5,9"."""
-    out, run = [], [steps[0]] if steps else []
-    for s in steps[1:]:
-        if s == run[-1] + 1:
-            run.append(s)
-        else:
-            out.append(run)
-            run = [s]
-    out += [run] if run else []
-    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
-
-
 def _unpack(kept) -> dict | None:
     """A state the producer keeps (pipeline/state/resume.py `Kept`) as a dict; None stays."""
     return None if kept is None else kept.unpack()
@@ -752,7 +739,9 @@ class BatchServer:
                                          [f"docs[{i}]" for i in range(len(docs))])  # fmt: skip
             if not named:
                 raise ValueError("name steps already made, or documents, to leave out")
-            said = [f"steps {_ranges(steps)}"] if steps else []
+            from pipeline.inspect.provenance import format_steps
+
+            said = [f"steps {format_steps(steps)}"] if steps else []
             said += [f"{len(docs)} named document(s)"] if docs else []
             chosen = leave_out(named, f"POST /v1/skips: {', '.join(said)}"
                                       + (f" ({why})" if why else ""))  # fmt: skip

@@ -239,6 +239,19 @@ def steps_documents(cfg: Config, steps: list[int], *, out: Path | None = None,
     return documents_of(trace(cfg, steps, state=state))
 
 
+def format_steps(steps: list[int]) -> str:
+    """Ascending steps as `parse_steps` reads them: [3, 4, 5, 9] -> "3-5,9"."""
+    out, run = [], [steps[0]] if steps else []
+    for s in steps[1:]:
+        if s == run[-1] + 1:
+            run.append(s)
+        else:
+            out.append(run)
+            run = [s]
+    out += [run] if run else []
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in out)
+
+
 def parse_steps(text: str) -> list[int]:
     """`12`, `41230-41240` or `3,7,9-11`: the steps, ascending, each once (at most 100,001
     per range). ValueError otherwise."""

@@ -50,7 +50,7 @@ from pipeline.state.resume import (
     check_laned_state,
     nest_kept,
 )
-from pipeline.state.summary import RunSummary, RunTotals
+from pipeline.state.summary import RunSummary, RunTotals, totals_of
 from wire.arrays import from_ipc
 from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts
 
@@ -675,20 +675,8 @@ class LanedFeed:
     def totals(self) -> RunTotals:
         """What was served so far (since step 0, across resumes)."""
         read = joined_read(self.names, self._lane_summaries())
-        return RunTotals(
-            steps=self.step,
-            rows=self.rows,
-            real_tokens=self.real_tokens,
-            seq_len=self.cfg.seq_len,
-            streams={
-                n: {
-                    "tokens": int(self.tokens[i]),
-                    "docs": int(self.docs_emitted[i]),
-                    "skipped": read[n].skipped,
-                }
-                for i, n in enumerate(self.names)
-            },  # fmt: skip
-        )
+        return totals_of(self.step, self.rows, self.real_tokens, self.cfg.seq_len, self.names,
+                         self.tokens, self.docs_emitted, [read[n].skipped for n in self.names])  # fmt: skip
 
     def _lane_summaries(self) -> list[tuple[RunSummary, dict[str, list[int]]]]:
         """The lanes' summaries: asked for now, or (`wait_for_figures` False) the last ones

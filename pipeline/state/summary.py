@@ -123,19 +123,24 @@ class RunTotals:
 
 
 def run_totals(feed) -> RunTotals:
-    """The feed's counts as of now (since step 0, across resumes)."""
+    """A `Feed`'s counts as of now (since step 0, across resumes)."""
+    skipped = [s.counters.skipped for s in feed.streams]
+    return totals_of(feed.step, feed.rows, feed.real_tokens, feed.cfg.seq_len, feed.names,
+                     feed.mixer.placed, feed.docs_emitted, skipped)  # fmt: skip
+
+
+def totals_of(steps: int, rows: int, real_tokens: int, seq_len: int, names: list[str],
+              tokens, docs, skipped) -> RunTotals:  # fmt: skip
+    """The one way a step source's counts become `RunTotals`: per stream (in `names` order)
+    its tokens placed, documents started and records skipped."""
     return RunTotals(
-        steps=feed.step,
-        rows=feed.rows,
-        real_tokens=feed.real_tokens,
-        seq_len=feed.cfg.seq_len,
+        steps=steps,
+        rows=rows,
+        real_tokens=real_tokens,
+        seq_len=seq_len,
         streams={
-            name: {
-                "tokens": int(feed.mixer.placed[i]),
-                "docs": int(feed.docs_emitted[i]),
-                "skipped": s.counters.skipped,
-            }  # fmt: skip
-            for i, (name, s) in enumerate(zip(feed.names, feed.streams, strict=True))
+            name: {"tokens": int(tokens[i]), "docs": int(docs[i]), "skipped": int(skipped[i])}
+            for i, name in enumerate(names)
         },
     )
 
