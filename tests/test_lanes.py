@@ -703,7 +703,7 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
 
     from pipeline.feed import rank_slice
     from pipeline.lanes import LanedStep, in_flight, most_in_flight, steps_per_call
-    from service.api import prometheus_text
+    from service.prometheus import prometheus_text
     from service.server import BatchServer
     from wire.arrays import from_ipc
     from wire.lanes import LaneActors, fetch, split_run

@@ -9,8 +9,8 @@ import pyarrow.parquet as pq
 
 from pipeline.read.reading import iter_blocks_local
 from pipeline.state.summary import StreamSummary, stream_gauges
-from service.api import prometheus_text
 from service.export import run_export
+from service.prometheus import prometheus_text
 from tests.test_golden import _config, _corpus
 
 # summary.json's keys (docs: README "export"), recorded before RunSummary replaced the dict.
@@ -63,7 +63,7 @@ def test_prometheus_stream_gauges_are_the_declared_fields():
     m = {"tokens_per_s": 1.0, "batches_per_s": 1.0, "global_step": 9, "packing_efficiency": 0.9,
          "data_wait_s_last_60s": 0.5, "streams": {"web": share}, "queue_depth": {}}  # fmt: skip
     text = prometheus_text(m, {"state": "running"})
-    from service.api import STREAM_COUNTERS
+    from service.prometheus import STREAM_COUNTERS
 
     for name, doc in stream_gauges():
         metric = f"tokenmill_stream_{name}" + ("_total" if name in STREAM_COUNTERS else "")
