@@ -76,40 +76,28 @@ def test_checkpoint_resume_continues_with_the_same_batches(ray_cluster, make_ser
         assert (first | second)[step] == pytest.approx(straight[step], rel=1e-5), step
 
 
-def test_demo_main_job_summary(ray_cluster, tmp_path):
-    address = ray_cluster.get_runtime_context().gcs_address
-    r = subprocess.run([sys.executable, "-m", "service", "demo", "--steps", "3", "--address", address,
-                        "--json", str(tmp_path / "s.json"), "--out", str(tmp_path / "work")],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    s = json.loads((tmp_path / "s.json").read_text())
-    for key in (
-        "tokens_per_s",
-        "packing_efficiency",
-        "data_wait_fraction",
-        "mixture",
-        "loss_first",
-        "loss_last",
-    ):
-        assert key in s
-    assert set(s["mixture"]) == {"code", "chat"} and s["steps"] == 3
-    assert s["mixture"]["code"]["target"] == pytest.approx(0.7)
-    assert "packing" in r.stdout and "data wait" in r.stdout
-    # the ranks' loss per stream, reported each step and joined by the service (issue 27)
-    assert set(s["stream_loss"]) == {"code", "chat"}
-    assert all(v is not None and 0 < v < 20 for v in s["stream_loss"].values()), s["stream_loss"]
-
-
 @pytest.mark.slow
 def test_demo_with_the_mixing_policy_shows_its_weight_history(ray_cluster, tmp_path):
-    """`demo --policy`: the torchrun ranks report their loss per stream each step, and the
-    service's first decision (step 5 + 18) follows the mean loss of steps 0-4, within bounds."""
+    """`demo --policy` (one demo run, the longest test: the demo's own summary is checked
+    here too): the torchrun ranks report their loss per stream each step, and the service's
+    first decision (step 5 + 18) follows the mean loss of steps 0-4, within bounds."""
     address = ray_cluster.get_runtime_context().gcs_address
     r = subprocess.run([sys.executable, "-m", "service", "demo", "--steps", "24", "--policy",
-                        "--address", address, "--json", str(tmp_path / "s.json")],
+                        "--address", address, "--json", str(tmp_path / "s.json"),
+                        "--out", str(tmp_path / "work")],
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads((tmp_path / "s.json").read_text())
+    # The demo's summary: what it prints and writes.
+    for key in ("tokens_per_s", "packing_efficiency", "data_wait_fraction", "mixture",
+                "loss_first", "loss_last"):  # fmt: skip
+        assert key in s
+    assert set(s["mixture"]) == {"code", "chat"} and s["steps"] == 24
+    assert s["policy_config"]["weights"] == {"code": pytest.approx(0.7), "chat": pytest.approx(0.3)}
+    assert "packing" in r.stdout and "data wait" in r.stdout
+    # the ranks' loss per stream, reported each step and joined by the service
+    assert set(s["stream_loss"]) == {"code", "chat"}
+    assert all(v is not None and 0 < v < 20 for v in s["stream_loss"].values()), s["stream_loss"]
     first = s["policy"][0]
     assert first["step"] == 23 and first["window"] == [0, 5]
     assert set(first["loss"]) == {"code", "chat"} and all(
