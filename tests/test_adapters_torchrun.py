@@ -47,7 +47,7 @@ trainer = Recording(model=tiny_llama(TOKENIZER_VOCAB), args=args,
                     train_dataset=FeedDataset(service=service, address=address))
 trainer.train(resume_from_checkpoint=resume or None)
 losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
-json.dump({"seen": seen, "losses": losses},
+json.dump({"seen": seen, "losses": losses, "end": trainer.state.log_history[-1]},
           open(os.path.join(out, f"rank{os.environ['RANK']}.json"), "w"))
 """
 
@@ -140,3 +140,12 @@ def test_a_stop_drains_hf_ranks_under_torchrun_into_a_last_checkpoint(ray_cluste
     assert (last / "optimizer.pt").exists(), sorted(p.name for p in (tmp_path / "s").iterdir())
     state = load_feed_state(last)
     assert state["step"] == steps, state["step"]  # the next step a resume takes
+    for r in range(2):  # the speeds of the steps trained, not of max_steps (1000)
+        end = got[r]["end"]
+        assert end["train_steps_per_second"] * end["train_runtime"] == pytest.approx(
+            steps, rel=0.01
+        )
+        rows = 4 * steps  # global_batch_size 4: each rank 2 rows a step, 2 ranks
+        assert end["train_samples_per_second"] * end["train_runtime"] == pytest.approx(
+            rows, rel=0.01
+        )

@@ -107,7 +107,8 @@ class FeedDataset(IterableDataset):
         self.timeout_s, self.flatten = timeout_s, flatten
         self._state = state  # applied when it connects
         self.wait_s = 0.0
-        self.batches = 0
+        self.batches = 0  # micro-batches yielded by this process
+        self.rows = 0  # and their rows (this rank's G/W rows of each global step)
 
     def _connect(self) -> Feed:
         if self.feed is None:
@@ -127,6 +128,7 @@ class FeedDataset(IterableDataset):
                 return
             self.wait_s += time.perf_counter() - t0
             self.batches += 1
+            self.rows += len(batch["seq_lens"])
             out = hf_batch(batch, self.flatten)
             if self.stream_loss:
                 out[LOSS_META] = {"stream": batch["stream"], "seq_lens": batch["seq_lens"],
@@ -344,6 +346,18 @@ def _make_feed_trainer(Trainer):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
         def log(self, logs: dict, *args, **kwargs) -> None:
+            if logs.get("train_runtime"):
+                # HF's end-of-training speeds assume `max_steps` steps of
+                # `per_device_train_batch_size` rows: with a feed, a run may end before
+                # max_steps (the data's end, a stop) and a rank's rows are the service's G/W.
+                # What this process trained on instead (in place: train() returns the same
+                # dict as its metrics).
+                ds, runtime = self.train_dataset, logs["train_runtime"]
+                steps = ds.batches // max(1, self.args.gradient_accumulation_steps)
+                logs["train_steps_per_second"] = round(steps / runtime, 3)
+                logs["train_samples_per_second"] = round(
+                    ds.rows * self.args.world_size / runtime, 3
+                )
             now = time.perf_counter()
             wait = self.train_dataset.take_wait()
             span = now - (self._wait_clock or now)
