@@ -11,18 +11,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import yaml
 
-from pipeline.read.resolve import parse_config
 from tests import hosts as hostlib
-from tests.conftest import stdlib_texts, write_jsonl
-from tests.test_nodes import RANKS
-from tests.test_ranks import exported
+from tests.test_nodes import RANKS, STEPS, assert_rows_are_the_export, lost_node_config
 
 pytestmark = pytest.mark.slow
-STEPS = 160  # well past what the lanes make ahead (64 steps) when the host is lost
 API_PORT = 8000  # the head host's own port: no other process there
 API_TOKEN = "t" * 40
 
@@ -71,16 +65,7 @@ def test_ranks_on_a_trainer_host_pull_from_lanes_on_data_hosts_and_survive_a_los
     why = hostlib.available()
     if why:
         pytest.skip(why)
-    for name in ("a", "b"):  # two files: each lane reads whole pieces
-        write_jsonl(
-            tmp_path / f"{name}.jsonl", stdlib_texts(60, start=60 * (name == "b"), max_bytes=3000)
-        )
-    raw = {"seed": 5, "seq_len": 64, "global_batch_size": 4, "lanes": 2, "shuffle": {"window": 4},
-           "streams": {"a": {"paths": [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")]}},
-           "service": {"resources": {"data": 1}, "control_resources": {"control": 0.01},
-                       "lane_restarts": 3}}  # fmt: skip
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
-    want = exported(parse_config(raw), tmp_path, STEPS, 2)
+    want = lost_node_config(tmp_path, 2)
     logs = tmp_path / "logs"
     logs.mkdir()
     with hostlib.cluster(logs) as hosts:
@@ -123,12 +108,7 @@ def test_ranks_on_a_trainer_host_pull_from_lanes_on_data_hosts_and_survive_a_los
     survivor = (data_ips - {placed[0]}).pop()
     assert [lane["node_ip"] for lane in after["lanes"]] == [survivor, survivor], after["lanes"]
     assert after["control_row_bytes"] == 0  # the rows went from the lanes to the ranks
-    rows = np.load(out)
-    for r in range(2):
-        assert rows[f"{r}_steps"].tolist() == list(range(STEPS))
-        for s in range(STEPS):  # every step exactly once, byte for byte the export's
-            np.testing.assert_array_equal(rows[f"{r}_ids"][s], want[(s, r)][0])
-            np.testing.assert_array_equal(rows[f"{r}_labels"][s], want[(s, r)][1])
+    assert_rows_are_the_export(out, want, 2)
 
 
 # `tokenmill status` on the trainer host, with only the address (no record there).

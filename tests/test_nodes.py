@@ -78,8 +78,11 @@ def _lane_nodes(port: int, n: int, timeout_s: float = 120) -> list[str]:
         time.sleep(0.5)
 
 
-def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
-    for name in ("a", "b"):  # two files: each lane reads whole pieces
+def lost_node_config(tmp_path: Path, world: int) -> dict:
+    """The run a node is lost in: two files (each lane reads whole pieces), `lanes: 2` on
+    the `data` nodes, the control on `control`, as tmp_path/c.yaml; returns its export's rows
+    for `world` ranks (tests/test_ranks.py `exported`)."""
+    for name in ("a", "b"):
         write_jsonl(
             tmp_path / f"{name}.jsonl", stdlib_texts(60, start=60 * (name == "b"), max_bytes=3000)
         )
@@ -88,7 +91,21 @@ def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
            "service": {"resources": {"data": 1}, "control_resources": {"control": 0.01},
                        "lane_restarts": 3}}  # fmt: skip
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
-    want = exported(parse_config(raw), tmp_path, STEPS, WORLD)
+    return exported(parse_config(raw), tmp_path, STEPS, world)
+
+
+def assert_rows_are_the_export(out: Path, want: dict, world: int) -> None:
+    """What RANKS saved: every step exactly once, byte for byte the export's."""
+    rows = np.load(out)
+    for r in range(world):
+        assert rows[f"{r}_steps"].tolist() == list(range(STEPS))
+        for s in range(STEPS):
+            np.testing.assert_array_equal(rows[f"{r}_ids"][s], want[(s, r)][0])
+            np.testing.assert_array_equal(rows[f"{r}_labels"][s], want[(s, r)][1])
+
+
+def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
+    want = lost_node_config(tmp_path, WORLD)
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
     token = tmp_path / "token"  # the clients hold a token; the cluster asks none
     token.write_text("a" * 64)
@@ -121,9 +138,4 @@ def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
         assert len(m["lanes_restarted"]) <= 2, m["lanes_restarted"]
         now = [lane["node_id"] for lane in m["lanes"]]
         assert now[0] == placed[1] and now[1] == placed[1], now  # the survivor holds both
-    rows = np.load(out)
-    for r in range(WORLD):
-        assert rows[f"{r}_steps"].tolist() == list(range(STEPS))
-        for s in range(STEPS):  # every step exactly once, byte for byte the export's
-            np.testing.assert_array_equal(rows[f"{r}_ids"][s], want[(s, r)][0])
-            np.testing.assert_array_equal(rows[f"{r}_labels"][s], want[(s, r)][1])
+    assert_rows_are_the_export(out, want, WORLD)
