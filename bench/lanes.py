@@ -281,10 +281,12 @@ def main(argv=None) -> int:
     print(head)
     print("-" * len(head))
     for r in rows:
-        r["scaling"] = r["steady"] / (r["cores"] * base_rate[r["input"]])
+        one = base_rate.get(r["input"])  # no 1-core point: no scaling ratio
+        r["scaling"] = None if one is None else r["steady"] / (r["cores"] * one)
         r["of_fastokens"] = r["steady"] / (r["cores"] * fast)
+        scaling = "-" if r["scaling"] is None else f"{r['scaling']:.2f}"
         print(f"{r['input']:<14}{r['cores']:>6}{r['lanes']:>6}{r['steady']:>14,.0f}"
-              f"{r['end_to_end']:>12,.0f}{r['scaling']:>12.2f}{r['of_fastokens']:>15.2f}")  # fmt: skip
+              f"{r['end_to_end']:>12,.0f}{scaling:>12}{r['of_fastokens']:>15.2f}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"fastokens_1core": fast, "points": rows},
                                               indent=2) + "\n")  # fmt: skip
