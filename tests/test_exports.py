@@ -144,7 +144,7 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
         return run
 
     head = HeadStart(units, stream, cfg.tokenizer, side("executor", executor_delay), None,
-                     side("local", 0.0))  # fmt: skip
+                     side("local", 0.0), behind_s=0.0)  # fmt: skip
     got = list(head)
     head.close()
     assert len(units) >= 8
@@ -190,7 +190,7 @@ def test_a_head_start_takes_over_what_a_starting_executor_has_not_delivered(tmp_
     up: Future = Future()
     up.set_result(None)
     t0 = time.monotonic()
-    head = HeadStart(units, stream, cfg.tokenizer, Starting, up, iter_blocks_local)
+    head = HeadStart(units, stream, cfg.tokenizer, Starting, up, iter_blocks_local, behind_s=0.0)
     got = list(head)
     waited = time.monotonic() - t0
     head.close()
@@ -227,13 +227,51 @@ def test_an_executor_starts_only_if_it_would_deliver_before_the_local_thread_is_
         yield from iter_blocks_local(us, st, tok)
         local_done_one.set()
 
-    head = HeadStart(units, stream, cfg.tokenizer, executor, up, local)
+    head = HeadStart(units, stream, cfg.tokenizer, executor, up, local, behind_s=0.0)
     local_done_one.wait(30)
     up.set_result(None)
     got = list(head)
     head.close()
     assert all(a.equals(b) for a, b in zip(got, plain, strict=True)) and len(got) == len(plain)
     assert bool(started) == (startup_s == 0.0), started
+
+
+@pytest.mark.parametrize("slow", ["consumer", "local"])
+def test_an_executor_starts_only_once_the_consumer_waits_on_the_local_thread(tmp_path, slow):
+    """Ray up and an executor worth starting: while the consumer takes blocks slower than the
+    local thread makes them (a service whose ranks want fewer tokens than one thread makes),
+    the executor is not started, so its start takes no CPU from the steps; once the consumer
+    waits on the local thread (an export's packer), it is. The blocks are the same."""
+    import time
+    from concurrent.futures import Future
+
+    from pipeline.read.headstart import HeadStart
+    from pipeline.read.reading import iter_blocks_local
+
+    cfg, units, stream, plain = _small_units(tmp_path)
+    started: list[int] = []
+
+    def executor(us, st, tok):
+        started.extend(u.index for u in us)
+        return iter_blocks_local(us, st, tok)
+
+    executor.startup_s = 0.0  # type: ignore[attr-defined]  # always worth starting
+
+    def local(us, st, tok):
+        for block in iter_blocks_local(us, st, tok):
+            time.sleep(0.05 if slow == "local" else 0.0)
+            yield block
+
+    up: Future = Future()
+    up.set_result(None)
+    head = HeadStart(units, stream, cfg.tokenizer, executor, up, local, behind_s=0.2)
+    got = []
+    for block in head:
+        got.append(block)
+        time.sleep(0.05 if slow == "consumer" else 0.0)
+    head.close()
+    assert all(a.equals(b) for a, b in zip(got, plain, strict=True)) and len(got) == len(plain)
+    assert bool(started) == (slow == "local"), started
 
 
 def test_a_head_start_that_made_everything_does_not_wait_for_ray(tmp_path):

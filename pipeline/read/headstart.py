@@ -16,6 +16,14 @@ most of a ~100 MB export, with the feed idle. Here the feed's process tokenizes 
 - once Ray is up, the executor starts only if the local thread, at its pace so far, would
   not make everything left before the executor's first block could come (its `startup_s`:
   Ray Data's fresh workers ~4 s here, a warm pool ~1 s); otherwise it waits and looks again.
+- nor while the local thread keeps ahead of its consumer: the executor starts once the
+  consumer has waited for blocks the local thread had yet to make `BEHIND_SHARE` of the
+  time since its first block (and `BEHIND_S` in all). An export's packer outruns one thread
+  and starts it within a second or two; a service whose ranks take fewer tokens than one
+  thread makes never starts it. (Measured, `python -m bench.first_steps`, 4 ranks at 50 ms a
+  step, 2 cores: Ray Data's executor starting beside the local thread, its imports in this
+  process and its workers' on the same cores, made the ranks wait 53-58% of their first 32
+  steps, 12-14% of 300; with the local thread alone 6-11% and 2-3%.);
   (A cold export whose Ray came up 7 s in, with 2 of 8 s of local work left, took 15.5-16.5 s
   instead of ~9.4 s: Ray Data's workers starting took the CPU from the feed, and delivered
   nothing it still needed.);
@@ -58,13 +66,16 @@ MAX_AHEAD = 8  # blocks made ahead of the consumer before either side stops clai
 # and ~7 s on a cold embedded one; the lower end, so the executor is rather started early.
 EXECUTOR_STARTUP_S = 4.0
 RECHECK_S = 0.5  # how often a waiting executor looks at the local thread's pace again
+# The executor starts once the consumer has waited on the local thread this share of the time
+# since its first block, and this many seconds in all (see module).
+BEHIND_SHARE, BEHIND_S = 0.25, 0.5
 
 
 class HeadStart:
     """Iterate the blocks of `units` in order, made here and by `executor` (see module)."""
 
     def __init__(self, units, stream: StreamConfig, tok_cfg: TokenizerConfig, executor,
-                 ready: Future | None, local):  # fmt: skip
+                 ready: Future | None, local, behind_s: float = BEHIND_S):  # fmt: skip
         self.units, self.stream, self.tok_cfg = units, stream, tok_cfg
         self.executor, self.ready, self.local = executor, ready, local
         self._cond = threading.Condition()
@@ -86,6 +97,11 @@ class HeadStart:
         self.first_local_at: float | None = None
         self.first_executor_at: float | None = None
         self.tokens = {"here": 0, "executor": 0}  # tokens of the blocks kept, per side
+        # The consumer's seconds waiting for a block the local thread was yet to make, since
+        # its first block (`_behind`): whether the local thread keeps up alone.
+        self._waited_s = 0.0
+        self._first_emit_at: float | None = None
+        self.behind_s = behind_s
         self._threads = [
             threading.Thread(target=self._guard, args=(f,), daemon=True, name=f"tokenmill-{n}")
             for n, f in (("head-local", self._run_local), ("head-executor", self._run_executor))
@@ -157,6 +173,13 @@ class HeadStart:
         left = int(self._work_before[self._back] - self._work_before[self._front])
         return left / rate < self.startup_s
 
+    def _behind(self) -> bool:
+        """Whether the consumer waits on the local thread (see module). Under the lock."""
+        if self._first_emit_at is None:
+            return False  # the first block tells nothing of the pace: judged after it
+        since = time.monotonic() - self._first_emit_at
+        return self._waited_s >= max(self.behind_s, BEHIND_SHARE * since)
+
     def _run_executor(self) -> None:
         if self.ready is not None:
             while not self.ready.done():  # a run the local thread finished does not wait for Ray
@@ -165,7 +188,7 @@ class HeadStart:
                     return
             self.ready.result()  # Ray failed to come up: the run fails with its error
         with self._cond:
-            while not self._stop and self._local_finishes_first():
+            while not self._stop and (self._local_finishes_first() or not self._behind()):
                 self._cond.wait(RECHECK_S)
             if self._stop or self._back - self._front < MIN_UNITS_FOR_EXECUTOR:
                 return
@@ -245,9 +268,13 @@ class HeadStart:
                 if self._emit in self._blocks:
                     self._pending = list(self._blocks.pop(self._emit))
                     self._emit += 1
+                    self._first_emit_at = self._first_emit_at or time.monotonic()
                     self._cond.notify_all()
                     continue
+                t = time.monotonic()
                 self._cond.wait(0.5)
+                if self._first_emit_at is not None:
+                    self._waited_s += time.monotonic() - t
 
     def first_at(self) -> list[float | None]:
         """When the first block was made here, and when the executor's first arrived."""
