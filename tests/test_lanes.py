@@ -429,6 +429,21 @@ def test_the_summary_counts_what_was_served(streams):
     assert abs(summary.streams["code"].realized_share - 0.7) < 0.05
 
 
+def test_what_the_lanes_read_and_did_not_serve_at_the_end_is_reported(streams):
+    """The data ends at the first step a lane cannot fill; what the other lanes read beyond
+    it is counted in the summary's notes (against `lanes: 1`, which serves every token of one
+    stream)."""
+    code = {"code": streams["code"] | {"weight": 1.0}}
+    whole = steps_of(laned(config(code, 1)))
+    feed = laned(config(code, 4))
+    batches = steps_of(feed)
+    summary = feed.summary()
+    lost = sum(n for b in whole for r in rows_of(b) for n in r["seq_lens"]) - summary.real_tokens
+    notes = [line for line in summary.exhausted if "were not served" in line]
+    told = sum(int(line.split(": ", 1)[1].split(" tokens")[0].replace(",", "")) for line in notes)
+    assert batches and lost > 0 and told == lost, (lost, notes)
+
+
 def test_a_lane_reading_ahead_makes_the_steps_of_a_lane_reading_as_it_packs(streams,
                                                                             monkeypatch):  # fmt: skip
     """A lane actor reads its share on a thread of its own (`read.ahead`,

@@ -50,6 +50,9 @@ def joined_summary(names: list[str], parts: Parts, seq_len: int, global_batch_si
                    realized_share=float(tokens[i] / total) if total else 0.0)
         for i, n in enumerate(names)
     }  # fmt: skip
+    exhausted = [f"lane {k}: {line}" for k, (p, _) in enumerate(parts) for line in p.exhausted]
+    if exhausted:
+        exhausted += unserved_notes(streams)
     return replace(
         first,
         steps=steps,
@@ -58,10 +61,28 @@ def joined_summary(names: list[str], parts: Parts, seq_len: int, global_batch_si
         real_tokens=real_tokens,
         packing_efficiency=real_tokens / (rows * seq_len) if rows else 0.0,
         streams=streams,
-        exhausted=[f"lane {k}: {line}" for k, (p, _) in enumerate(parts) for line in p.exhausted],
+        exhausted=exhausted,
         elapsed_s=max(p.elapsed_s for p, _ in parts),
         tokenizer_backend={b: sum(p.tokenizer_backend[b] for p, _ in parts)
                            for b in first.tokenizer_backend},  # fmt: skip
         first_reads=min((p.first_reads for p, _ in parts),
                         key=lambda r: r.block_at if r.block_at is not None else float("inf")),
     )  # fmt: skip
+
+
+def unserved_notes(streams: dict) -> list[str]:
+    """What the lanes read and did not serve when the data ended, per stream, reported, never
+    silent: a laned run ends at the first step a lane cannot fill, and the other lanes' shares
+    may hold more (the shares are balanced by bytes, not exactly); with several streams and
+    `on_exhausted: stop`, the others' remainder too (as with one lane)."""
+    out = []
+    for name, st in streams.items():
+        docs = st.docs_read - st.docs - st.dropped
+        tokens = st.tokens_read - st.tokens - st.dropped_tokens - st.truncated_tokens
+        if tokens > 0:
+            out.append(
+                f"stream {name!r}: {tokens:,} tokens ({docs:,} documents) read were not served "
+                "when the data ended: a laned run ends at the first step a lane cannot fill"
+            )
+    return out
+
