@@ -54,6 +54,7 @@ from wire.protocol import (
     StepGone,
     StepReply,
     Welcome,
+    is_int,
 )
 
 if TYPE_CHECKING:
@@ -384,7 +385,7 @@ class BatchServer:
         feed. `client`: the rank's Ray job id, so that `serve` keeps an embedded Ray up
         until that job has left (`rank_jobs`)."""
         self._check_world(world_size)
-        if not _is_int(rank) or not 0 <= rank < world_size:
+        if not is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank!r} is outside world size {world_size}")
         if state is not None and not isinstance(state, dict):
             from pipeline.state.resume import StateError
@@ -603,7 +604,7 @@ class BatchServer:
 
     def _check_world(self, world_size: int) -> None:
         G = self.cfg.global_batch_size
-        if not _is_int(world_size) or world_size < 1 or G % world_size:
+        if not is_int(world_size) or world_size < 1 or G % world_size:
             raise ValueError(
                 f"world size {world_size!r} does not divide global_batch_size {G}: "
                 "every rank gets G/W rows of each step"
@@ -1079,8 +1080,3 @@ class BatchServer:
                 "left_out": s.left_out,  # documents a resume left out (--skip-steps, --skip-docs)
                 "policy": None if self.steering is None else self.steering.view(),
             }
-
-
-def _is_int(x: object) -> bool:
-    """An int, and not a bool (`True` is an int to Python, and divides every batch size)."""
-    return isinstance(x, int) and not isinstance(x, bool)

@@ -29,8 +29,9 @@ from pipeline.tokenize.engines import (
     FastEncoder,
     FastokensEncoder,
     LoadedTokenizer,
-    _fast_encoder_from_hf,
+    _bpe_form,
     _probe_fast,
+    _tiktoken_engine,
     load_tokenizer,
     verify_sample,
 )
@@ -338,7 +339,9 @@ def mini(tmp_path, monkeypatch):
 
 def _fast_for(tok: LoadedTokenizer) -> FastEncoder:
     """tiktoken over the ranks of `tok`'s own tokenizer.json: what the fast backend would say."""
-    return _fast_encoder_from_hf(json.loads(Path(tok.name).read_text()), default=False)
+    form = _bpe_form(json.loads(Path(tok.name).read_text()), default=False)
+    assert form is not None, f"{tok.name}: no byte-level BPE form"
+    return _tiktoken_engine(form)
 
 
 def _swap_with_last(pair):

@@ -153,3 +153,8 @@ class ServiceBusy(RuntimeError):
 
 class WorldMismatch(ValueError):
     """A rank asked with a world size other than the one the service serves."""
+
+
+def is_int(v: object) -> bool:
+    """An int, and not a bool (`True` is an int to Python, and divides every batch size)."""
+    return isinstance(v, int) and not isinstance(v, bool)

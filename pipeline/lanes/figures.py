@@ -85,4 +85,3 @@ def unserved_notes(streams: dict) -> list[str]:
                 "when the data ended: a laned run ends at the first step a lane cannot fill"
             )
     return out
-

@@ -60,6 +60,7 @@ from pipeline.stages.documents import SourcePos
 from pipeline.stages.packing import PackCounters
 from pipeline.stages.policy import LOSSES as POLICY_LOSSES
 from pipeline.stages.stage import StateError as StateError  # re-exported: its usual home
+from wire.protocol import is_int
 
 POSITION_FIELDS = len(fields(SourcePos))
 PACK_COUNTERS = [f.name for f in fields(PackCounters)]
@@ -237,7 +238,7 @@ def check_state(
     if not isinstance(state, dict):
         raise StateError(f"resume state must be a JSON object, got {type(state).__name__}")
     version = state.get(VERSION)
-    if not _is_int(version) or version not in (STATE_VERSION, *LEGACY_VERSIONS):
+    if not is_int(version) or version not in (STATE_VERSION, *LEGACY_VERSIONS):
         raise StateError(f"resume state has version {version!r}, expected {STATE_VERSION}")
     if version != 1:
         _check_seal(state)
@@ -410,7 +411,7 @@ def _check_stream(streams: dict, name: str, packing: str) -> None:
             raise StateError(f"{e} (at {where}.input.input.open)") from None
     _counts(source, doc_keys.POSITION, f"{where}.input.input.position", POSITION_FIELDS)
     mark = _list(source, doc_keys.REPORTED, 3, f"{where}.input.input.reported")
-    if not all(_is_int(v) and v >= -1 for v in mark):  # (epoch, unit, row)
+    if not all(is_int(v) and v >= -1 for v in mark):  # (epoch, unit, row)
         raise StateError(f"resume state: {where}.input.input.reported must be integers >= -1")
     _type(st, packing_keys.DONE, bool, f"{where}.done")
     counters = _type(st, packing_keys.COUNTERS, dict, f"{where}.counters")
@@ -693,12 +694,8 @@ def _counts(obj: dict, key: str, where: str, length: int | None = None) -> list:
     return value
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_count(v) -> bool:
-    return _is_int(v) and v >= 0
+    return is_int(v) and v >= 0
 
 
 def _finite(v) -> bool:

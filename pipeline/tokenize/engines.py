@@ -355,12 +355,6 @@ ENGINES = {
 }
 
 
-def _fast_encoder_from_hf(doc: dict | None, default: bool) -> FastEncoder | None:
-    """The tiktoken encoder of a byte-level BPE tokenizer (`_bpe_form`), or None."""
-    form = _bpe_form(doc, default)
-    return None if form is None else _tiktoken_engine(form)
-
-
 def _hf_ids(tok, texts: list[str]) -> list[list[int]]:
     fast = getattr(tok, "encode_batch_fast", None)  # skips offset tracking where available
     return [e.ids for e in (fast or tok.encode_batch)(texts, add_special_tokens=False)]
