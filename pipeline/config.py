@@ -240,7 +240,7 @@ class ShuffleConfig(_Frozen):
       schedule. Memory: the open pieces' tokens plus one read unit, per stream: about
       `pieces` x `piece_bytes` + `read.block_bytes` (72 MiB by default); time to the first
       step: a few pieces (one opens per 2 documents drawn); a resume re-reads the open
-      pieces (64 MiB by default). 0: the shuffle before issue 26 (seeded file order, each
+      pieces (64 MiB by default). 0: the window-only shuffle of tokenmill's first releases (seeded file order, each
       file's pieces in order, one at a time).
     - `piece_bytes`: files are cut this fine for the shuffle (JSONL byte ranges, Arrow batch
       runs; a Parquet row group or an MDS shard is one piece whatever its size), at most
@@ -551,7 +551,7 @@ class Config(_Frozen):
             data["tokenizer"]["content_sha256"] = content
         if data["tokenizer"]["add_bos"] is None:  # hashed as the False it was before None
             data["tokenizer"]["add_bos"] = False
-        if not self.shuffle.interleaved:  # the shuffle before issue 26: its configs' hashes
+        if not self.shuffle.interleaved:  # the window-only shuffle: its configs' hashes
             del data["shuffle"]["pieces"], data["shuffle"]["piece_bytes"]
         del data["read"]["in_lanes"], data["read"]["ahead"]  # who tokenizes and when, not what
         if data["mixing"]["policy"] is None:

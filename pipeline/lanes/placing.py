@@ -2,8 +2,8 @@
 for a bounded time (`service.place_timeout_s`), saying what it waits for.
 
 Ray waits for ever for an actor whose resources no node has (`service.resources` naming a
-label no node carries, or one that went with its node): an export with such lanes used to
-wait silently until killed. The wait is for the actor's first answer, so it covers its
+label no node carries, or one that went with its node): without a deadline, an export with such
+lanes would wait silently until killed. The wait is for the actor's first answer, so it covers its
 placement and its constructor (a lane's feed lists and opens its files): after PLACE_NOTE_S a
 line says what it waits for, and at the deadline the run fails naming the actor, what it
 asks and what the nodes lack. Why not fail at once when no node has the resources: an

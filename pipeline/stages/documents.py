@@ -10,7 +10,7 @@ block arrived. The windowed document shuffle comes next, in its own stage
 (shuffle.WindowShuffle). Bad records are handled here, in stream order, so the error raised
 (`on_error: fail`) or the rejects written (`skip`) are the same on every run.
 
-`shuffle.pieces: 0` or `shuffle.files: false` read as before issue 26: files in a seeded order
+`shuffle.pieces: 0` or `shuffle.files: false` read as the first releases did: files in a seeded order
 (or their own), each file's pieces in order, one after another.
 """
 
@@ -218,7 +218,7 @@ class DocSource:
     def set_state(self, state: dict) -> None:
         assert self._early is None and self._rows is None, "set_state after reading began"
         if self.interleaved and OPEN not in state:
-            # Written by the shuffle before issue 26 (pieces in file order): that run goes on
+            # Written by the window-only shuffle (pieces in file order): that run goes on
             # exactly as it began, in that order, for the rest of its epochs.
             logging.getLogger("tokenmill").warning(
                 "stream %r: the resume state reads pieces in file order (written before "

@@ -32,7 +32,7 @@ Three layers, each cheap to resume (issue 26):
 3. **Window** (`WindowShuffle`): a permutation inside consecutive windows of documents.
 
 `shuffle.files: false` reads files and their pieces in order (no piece order, no interleave);
-`shuffle.pieces: 0` is the shuffle before issue 26 (seeded file order, each file's pieces in
+`shuffle.pieces: 0` is the window-only shuffle of the first releases (seeded file order, each file's pieces in
 order, one at a time).
 
 The document shuffle permutes each run of `window` consecutive documents. A sliding shuffle
