@@ -240,8 +240,8 @@ class ShuffleConfig(_Frozen):
       schedule. Memory: the open pieces' tokens plus one read unit, per stream: about
       `pieces` x `piece_bytes` + `read.block_bytes` (72 MiB by default); time to the first
       step: a few pieces (one opens per 2 documents drawn); a resume re-reads the open
-      pieces (64 MiB by default). 0: the window-only shuffle of tokenmill's first releases (seeded file order, each
-      file's pieces in order, one at a time).
+      pieces (64 MiB by default). 0: the window-only shuffle of tokenmill's first releases
+      (seeded file order, each file's pieces in order, one at a time).
     - `piece_bytes`: files are cut this fine for the shuffle (JSONL byte ranges, Arrow batch
       runs; a Parquet row group or an MDS shard is one piece whatever its size), at most
       `read.piece_bytes`. Smaller pieces mix more pieces for the same memory, at one seek each.

@@ -291,7 +291,9 @@ class BatchServer:
         # the start: no head start here, and the tokenizer loads on a thread meanwhile (this
         # process needs only its pad id). Measured by bench/first_batch.py.
         warm = self.pool and self.cfg.lanes == 1 and pool_is_warm(None)
-        first = executor if warm else with_head_start(executor)
+        # Paced: the executor starts only once this process's tokenizing falls behind what
+        # the ranks take (headstart.py): its start took the cores from the first steps.
+        first = executor if warm else with_head_start(executor, paced=True)
         try:
             if self.cfg.lanes > 1:
                 # K lane actors read (Ray Data), mix, pack and keep their rows; this actor

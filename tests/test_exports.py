@@ -144,7 +144,7 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
         return run
 
     head = HeadStart(units, stream, cfg.tokenizer, side("executor", executor_delay), None,
-                     side("local", 0.0), behind_s=0.0)  # fmt: skip
+                     side("local", 0.0))  # fmt: skip
     got = list(head)
     head.close()
     assert len(units) >= 8
@@ -190,7 +190,7 @@ def test_a_head_start_takes_over_what_a_starting_executor_has_not_delivered(tmp_
     up: Future = Future()
     up.set_result(None)
     t0 = time.monotonic()
-    head = HeadStart(units, stream, cfg.tokenizer, Starting, up, iter_blocks_local, behind_s=0.0)
+    head = HeadStart(units, stream, cfg.tokenizer, Starting, up, iter_blocks_local)
     got = list(head)
     waited = time.monotonic() - t0
     head.close()
@@ -227,7 +227,7 @@ def test_an_executor_starts_only_if_it_would_deliver_before_the_local_thread_is_
         yield from iter_blocks_local(us, st, tok)
         local_done_one.set()
 
-    head = HeadStart(units, stream, cfg.tokenizer, executor, up, local, behind_s=0.0)
+    head = HeadStart(units, stream, cfg.tokenizer, executor, up, local)
     local_done_one.wait(30)
     up.set_result(None)
     got = list(head)
@@ -238,10 +238,10 @@ def test_an_executor_starts_only_if_it_would_deliver_before_the_local_thread_is_
 
 @pytest.mark.parametrize("slow", ["consumer", "local"])
 def test_an_executor_starts_only_once_the_consumer_waits_on_the_local_thread(tmp_path, slow):
-    """Ray up and an executor worth starting: while the consumer takes blocks slower than the
-    local thread makes them (a service whose ranks want fewer tokens than one thread makes),
-    the executor is not started, so its start takes no CPU from the steps; once the consumer
-    waits on the local thread (an export's packer), it is. The blocks are the same."""
+    """A service's head start (`paced`), Ray up and an executor worth starting: while the
+    consumer takes blocks slower than the local thread makes them (ranks that want fewer
+    tokens than one thread makes), the executor is not started, so its start takes no CPU
+    from the steps; once the consumer waits on the local thread, it is. The same blocks."""
     import time
     from concurrent.futures import Future
 
@@ -264,7 +264,8 @@ def test_an_executor_starts_only_once_the_consumer_waits_on_the_local_thread(tmp
 
     up: Future = Future()
     up.set_result(None)
-    head = HeadStart(units, stream, cfg.tokenizer, executor, up, local, behind_s=0.2)
+    head = HeadStart(units, stream, cfg.tokenizer, executor, up, local, paced=True,
+                     behind_s=0.2)  # fmt: skip
     got = []
     for block in head:
         got.append(block)
@@ -272,6 +273,25 @@ def test_an_executor_starts_only_once_the_consumer_waits_on_the_local_thread(tmp
     head.close()
     assert all(a.equals(b) for a, b in zip(got, plain, strict=True)) and len(got) == len(plain)
     assert bool(started) == (slow == "local"), started
+
+
+def test_the_consumer_is_behind_by_its_recent_waits_not_its_whole_run():
+    """Ranks idle for an hour (the local thread far ahead), then faster than one thread: the
+    executor is judged by the consumer's waits of the last seconds (`BEHIND_WINDOW_S`), so
+    it starts within seconds of their speeding up, not once a quarter of the hour waited."""
+    import collections
+    import time
+
+    from pipeline.read.headstart import BEHIND_S, BEHIND_WINDOW_S, HeadStart
+
+    head = HeadStart([], None, None, None, None, None, paced=True)  # no unit: threads idle
+    now = time.monotonic()
+    head._first_emit_at = now - 3600
+    head._waits = collections.deque([(now - 3000, 1.0)])  # long ago: forgotten
+    assert not head._behind()
+    head._waits.append((now - 0.1, BEHIND_WINDOW_S / 4 + BEHIND_S))  # just now
+    assert head._behind()
+    head.close()
 
 
 def test_a_head_start_that_made_everything_does_not_wait_for_ray(tmp_path):

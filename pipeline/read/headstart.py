@@ -16,17 +16,19 @@ most of a ~100 MB export, with the feed idle. Here the feed's process tokenizes 
 - once Ray is up, the executor starts only if the local thread, at its pace so far, would
   not make everything left before the executor's first block could come (its `startup_s`:
   Ray Data's fresh workers ~4 s here, a warm pool ~1 s); otherwise it waits and looks again.
-- nor while the local thread keeps ahead of its consumer: the executor starts once the
-  consumer has waited for blocks the local thread had yet to make `BEHIND_SHARE` of the
-  time since its first block (and `BEHIND_S` in all). An export's packer outruns one thread
-  and starts it within a second or two; a service whose ranks take fewer tokens than one
-  thread makes never starts it. (Measured, `python -m bench.first_steps`, 4 ranks at 50 ms a
-  step, 2 cores: Ray Data's executor starting beside the local thread, its imports in this
-  process and its workers' on the same cores, made the ranks wait 53-58% of their first 32
-  steps, 12-14% of 300; with the local thread alone 6-11% and 2-3%.);
   (A cold export whose Ray came up 7 s in, with 2 of 8 s of local work left, took 15.5-16.5 s
   instead of ~9.4 s: Ray Data's workers starting took the CPU from the feed, and delivered
   nothing it still needed.);
+- a service's head start (`paced`: its consumer is paced by the ranks) also waits until the
+  local thread falls behind: until the consumer has waited for blocks the local thread had
+  yet to make `BEHIND_SHARE` of the last `BEHIND_WINDOW_S` seconds (of the time since its
+  first block, if less) and `BEHIND_S` in all. Ranks that take fewer tokens than one thread
+  makes never start it; ranks idle for an hour, then faster than one thread, start it within
+  seconds. An export, which wants every core, starts it as soon as it is worth it. (With 4
+  ranks at 50 ms a step on 2 cores, `python -m bench.first_steps`, the executor's start
+  beside the local thread, Ray Data's imports in this process and its workers' on the same
+  cores, made the ranks wait 53-58% of their first 32 steps, 12-14% of 300; paced, 8-17%
+  and 2.5-3.4%.);
 - when nothing is left to claim and the executor has still delivered nothing (a cold Ray's
   workers still starting), the local thread takes over the executor's back units one by one:
   whichever side makes such a unit first, its block is kept and the other is dropped.
@@ -45,6 +47,7 @@ fixed by claims, never by races on the output.)
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import threading
@@ -68,14 +71,15 @@ EXECUTOR_STARTUP_S = 4.0
 RECHECK_S = 0.5  # how often a waiting executor looks at the local thread's pace again
 # The executor starts once the consumer has waited on the local thread this share of the time
 # since its first block, and this many seconds in all (see module).
-BEHIND_SHARE, BEHIND_S = 0.25, 0.5
+BEHIND_SHARE, BEHIND_S, BEHIND_WINDOW_S = 0.25, 0.5, 8.0
 
 
 class HeadStart:
     """Iterate the blocks of `units` in order, made here and by `executor` (see module)."""
 
     def __init__(self, units, stream: StreamConfig, tok_cfg: TokenizerConfig, executor,
-                 ready: Future | None, local, behind_s: float = BEHIND_S):  # fmt: skip
+                 ready: Future | None, local, paced: bool = False,
+                 behind_s: float = BEHIND_S):  # fmt: skip
         self.units, self.stream, self.tok_cfg = units, stream, tok_cfg
         self.executor, self.ready, self.local = executor, ready, local
         self._cond = threading.Condition()
@@ -99,9 +103,9 @@ class HeadStart:
         self.tokens = {"here": 0, "executor": 0}  # tokens of the blocks kept, per side
         # The consumer's seconds waiting for a block the local thread was yet to make, since
         # its first block (`_behind`): whether the local thread keeps up alone.
-        self._waited_s = 0.0
+        self._waits: collections.deque[tuple[float, float]] = collections.deque()  # (end, s)
         self._first_emit_at: float | None = None
-        self.behind_s = behind_s
+        self.paced, self.behind_s = paced, behind_s
         self._threads = [
             threading.Thread(target=self._guard, args=(f,), daemon=True, name=f"tokenmill-{n}")
             for n, f in (("head-local", self._run_local), ("head-executor", self._run_executor))
@@ -174,11 +178,18 @@ class HeadStart:
         return left / rate < self.startup_s
 
     def _behind(self) -> bool:
-        """Whether the consumer waits on the local thread (see module). Under the lock."""
+        """Whether the consumer waits on the local thread (see module); always, unless
+        `paced`. Under the lock."""
+        if not self.paced:
+            return True
         if self._first_emit_at is None:
             return False  # the first block tells nothing of the pace: judged after it
-        since = time.monotonic() - self._first_emit_at
-        return self._waited_s >= max(self.behind_s, BEHIND_SHARE * since)
+        now = time.monotonic()
+        while self._waits and self._waits[0][0] < now - BEHIND_WINDOW_S:
+            self._waits.popleft()
+        span = min(now - self._first_emit_at, BEHIND_WINDOW_S)
+        waited = sum(s for _, s in self._waits)
+        return waited >= max(self.behind_s, BEHIND_SHARE * span)
 
     def _run_executor(self) -> None:
         if self.ready is not None:
@@ -274,7 +285,8 @@ class HeadStart:
                 t = time.monotonic()
                 self._cond.wait(0.5)
                 if self._first_emit_at is not None:
-                    self._waited_s += time.monotonic() - t
+                    now = time.monotonic()
+                    self._waits.append((now, now - t))
 
     def first_at(self) -> list[float | None]:
         """When the first block was made here, and when the executor's first arrived."""

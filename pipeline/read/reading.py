@@ -525,12 +525,14 @@ def ray_executor(ready: Future | None = None) -> Executor:
     return functools.partial(iter_blocks_ray, ready=ready)
 
 
-def with_head_start(executor: Executor, ready: Future | None = None) -> Executor:
-    """`executor`, with this process tokenizing until its workers deliver (headstart.py)."""
+def with_head_start(executor: Executor, ready: Future | None = None,
+                    paced: bool = False) -> Executor:  # fmt: skip
+    """`executor`, with this process tokenizing until its workers deliver (headstart.py);
+    `paced` (a service's): only once this process falls behind the steps' consumer."""
     from pipeline.read.headstart import HeadStart
 
     def run(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig):
-        return HeadStart(units, stream, tok_cfg, executor, ready, iter_blocks_local)
+        return HeadStart(units, stream, tok_cfg, executor, ready, iter_blocks_local, paced)
 
     return run
 
