@@ -31,10 +31,11 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from bench.nodes import on_threads
 
 SEQ_LEN, BATCH, FIRST = 2048, 32, 32
 
@@ -43,30 +44,20 @@ def _ranks(world: int, steps: int, step_s: float, make: Callable[[int], Iterator
     """W threads; `make(rank)` gives that rank's batch iterator (connecting is its start)."""
     waits: list[list[float]] = [[] for _ in range(world)]
     firsts = [0.0] * world
-    errors: list[BaseException] = []
     start = time.monotonic()
 
     def rank(r: int) -> None:
-        try:
-            it = make(r)
-            for i in range(steps):
-                t = time.monotonic()
-                next(it)
-                if i == 0:
-                    firsts[r] = time.monotonic() - start
-                else:
-                    waits[r].append(time.monotonic() - t)
-                time.sleep(step_s)
-        except BaseException as e:  # noqa: BLE001  # reported below
-            errors.append(e)
+        it = make(r)
+        for i in range(steps):
+            t = time.monotonic()
+            next(it)
+            if i == 0:
+                firsts[r] = time.monotonic() - start
+            else:
+                waits[r].append(time.monotonic() - t)
+            time.sleep(step_s)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    on_threads(rank, world)
     first, rest = FIRST - 1, steps - FIRST  # waits are of steps 2..steps
 
     def share(ws: list[float], n: int) -> float:

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MB = 1 << 20
@@ -47,35 +48,45 @@ def _ranks(name: str, world: int, steps: int, address: str, step_s: float) -> li
     from trainer.feed import Feed
 
     got: list[dict] = [{} for _ in range(world)]
-    errors: list[BaseException] = []
 
     def rank(r: int) -> None:
+        feed = Feed.connect(service=name, rank=r, world_size=world, address=address,
+                            timeout_s=300)  # fmt: skip
+        arrived, tokens, waited = [], [], 0.0
+        for i in range(steps):
+            t = time.monotonic()
+            batch = next(feed)
+            if i:  # after its first step: start-up is not a wait
+                waited += time.monotonic() - t
+            arrived.append(time.monotonic())
+            tokens.append(sum(sum(x) for x in batch["seq_lens"]))
+            if step_s:
+                time.sleep(step_s)
+        feed.close()
+        got[r] = {"arrived": arrived, "tokens": tokens, "waited": waited}
+
+    on_threads(rank, world)
+    return got
+
+
+def on_threads(fn: Callable[[int], None], n: int) -> None:
+    """`fn(0)` .. `fn(n - 1)`, each on a thread of its own (ranks of one driver); the first
+    error any of them raised is raised here, once all have ended."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
         try:
-            feed = Feed.connect(service=name, rank=r, world_size=world, address=address,
-                                timeout_s=300)  # fmt: skip
-            arrived, tokens, waited = [], [], 0.0
-            for i in range(steps):
-                t = time.monotonic()
-                batch = next(feed)
-                if i:  # after its first step: start-up is not a wait
-                    waited += time.monotonic() - t
-                arrived.append(time.monotonic())
-                tokens.append(sum(sum(x) for x in batch["seq_lens"]))
-                if step_s:
-                    time.sleep(step_s)
-            feed.close()
-            got[r] = {"arrived": arrived, "tokens": tokens, "waited": waited}
-        except BaseException as e:  # noqa: BLE001  # reported below
+            fn(i)
+        except BaseException as e:  # noqa: BLE001  # raised below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    return got
 
 
 def measure(cfg_raw: dict, lanes: int, world: int, steps: int, address: str,
