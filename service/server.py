@@ -1,10 +1,12 @@
 """The batch server: the Ray actor that owns the feed and hands out batches.
 
-Three Ray-free parts do the work, each unit-tested on its own:
+Ray-free parts do the work, each unit-tested on its own:
 - `window.StepWindow`: the world, retention (a step is held until every rank of the world has
   taken it) and flow control (at most `prefetch` steps ahead of the slowest live rank);
 - `producer.Producer`: the deterministic Feed on a thread, one step at a time, into the window;
-- `telemetry.Telemetry`: throughput history, data wait per rank, the rejects buffer.
+- `telemetry.Telemetry`: throughput history, data wait per rank, the rejects buffer;
+- `autoscale.Autoscaler` (with `service.autoscale`): a thread that asks the cluster for CPUs
+  while the ranks wait (the rule: `demand.Demand`).
 
 This class joins them under one condition variable and adds what needs Ray: rank r of W asks
 for step s (and up to `count` steps after it) and gets its rows [r*G/W, (r+1)*G/W) of each, as
@@ -73,39 +75,6 @@ def _quietly(fn, *args) -> None:
         fn(*args)
 
 
-def _requester(requester_id: str):
-    """How service.autoscale places a request for N CPUs (0: withdraw it): through Ray Data's
-    autoscaling coordinator, as one of its requesters (it merges them all for the autoscaler
-    and would overwrite a direct request within 20 s), with an expiry renewed every tick; on a
-    Ray without it, `ray.autoscaler.sdk.request_resources` (no expiry)."""
-    try:
-        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
-            DefaultAutoscalingCoordinator,
-        )
-    except ImportError:
-        from ray.autoscaler.sdk import request_resources
-
-        return lambda n: request_resources(num_cpus=n)
-    coordinator = DefaultAutoscalingCoordinator(requester_id)
-
-    def place(n: int) -> None:
-        if n:
-            coordinator.request_resources([{"CPU": 1}] * n, expire_after_s=AUTOSCALE_EXPIRE_S)
-        else:
-            coordinator.cancel_request()
-
-    return place
-
-
-def _placed(place, cpus: int) -> str | None:
-    """`place(cpus)`; the error, if it failed (recorded with the change, not raised)."""
-    try:
-        place(cpus)
-        return None
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-
-
 def _unpack(kept) -> dict | None:
     """A state the producer keeps (pipeline/state/resume.py `Kept`) as a dict; None stays."""
     return None if kept is None else kept.unpack()
@@ -133,8 +102,6 @@ class _Default(enum.Enum):
 
 
 _DEFAULT = _Default.TOKEN
-AUTOSCALE_TICK_S = 5.0  # how often service.autoscale looks at the signals
-AUTOSCALE_EXPIRE_S = 60.0  # a request lapses unless renewed (every tick) within this
 # Past this many ranks, the lag history keeps min / median / max, not every rank's lag (an hour
 # of one-second samples of 1,024 ranks held ~220 MB and took 0.4 s to serve under the lock).
 OBSERVED_RANKS = 64
@@ -212,21 +179,27 @@ class BatchServer:
         self._observed: tuple[float, str] = (0.0, "")  # when and what `_observe` last kept
         self._replaying = threading.Lock()  # one provenance replay at a time (`provenance`)
         self._control = threading.Lock()  # one change of course at a time (`_controlled`)
-        self._closed = threading.Event()
         # Laned feeds a skip replaced, with the first step they did not make: their lanes
         # hold rows of the steps before it until every rank has fetched them.
         self._retired: list[tuple[int, StepSource]] = []
         self.demand = None
+        self._scaler = None
         self._start_feed(state, allow_config_change, leave_out)
         scale = self.cfg.service.autoscale
-        self._scaler: threading.Thread | None = None
         if scale is not None:  # after the feed: a refused state leaves no thread behind
+            from service.autoscale import Autoscaler, coordinator_place
             from service.demand import Demand
 
             self.demand = Demand(scale.max_cpus, scale.up_wait, scale.cooldown_s)
-            self._scaler = threading.Thread(target=self._autoscale, name="tokenmill-autoscale",
-                                            daemon=True)  # fmt: skip
-            self._scaler.start()
+            tel, requester = self.telemetry, f"tokenmill-{os.getpid()}-{id(self)}"
+            self._scaler = Autoscaler(
+                self.demand,
+                waits=lambda: {r: s for r, (s, _) in tel.wait_by_rank().items()},
+                observed=lambda: [
+                    (o["t"], o["producer"]) for o in tel.observations_view(last=3600)
+                ],
+                place=lambda: coordinator_place(requester),
+            )
 
     # -- production -------------------------------------------------------------------------
 
@@ -920,45 +893,11 @@ class BatchServer:
             return self.telemetry.drain_rejects()
 
     def close(self) -> None:
-        self._closed.set()
         if self._scaler is not None:  # it withdraws its request as it ends
-            self._scaler.join(timeout=2.0)
+            self._scaler.close()
         self.producer.stop()
         for _, feed in self._retired:
             feed.close()
-
-    def _autoscale(self, tick_s: float = AUTOSCALE_TICK_S) -> None:
-        """service.autoscale (service/demand.py): every `tick_s`, the ranks' data wait and the
-        producer's states over the last minute decide whether to ask the cluster for CPUs.
-        Requests go through Ray Data's autoscaling coordinator, renewed every tick with an
-        expiry of AUTOSCALE_EXPIRE_S (a killed service's request lapses), and are withdrawn
-        when the service closes. Every call to the coordinator is made on this thread."""
-        import ray
-
-        from service.demand import producer_shares
-
-        assert self.demand is not None
-        place = _requester(f"tokenmill-{os.getpid()}-{id(self)}")
-        while not self._closed.wait(tick_s):
-            now = time.time()  # the telemetry's clock
-            waits = {r: s for r, (s, _) in self.telemetry.wait_by_rank().items()}
-            observed = [(o["t"], o["producer"])
-                        for o in self.telemetry.observations_view(last=3600)]  # fmt: skip
-            try:
-                cpus = float(ray.cluster_resources().get("CPU", 0))
-                nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-            except Exception:
-                continue  # Ray not answering now: no decision this tick
-            self.demand.seen(nodes, cpus)
-            decided = self.demand.decide(now, waits, producer_shares(observed, now), cpus)
-            if decided is not None:
-                want, reason = decided
-                error = _placed(place, want)
-                self.demand.changed(now, want, reason, error, cpus)
-            elif self.demand.requested:
-                _placed(place, self.demand.requested)  # renewed before it expires
-        if self.demand.requested and _placed(place, 0) is None:
-            self.demand.changed(time.time(), 0, "the service closed", None)
 
     def mixture(self) -> dict:
         with self._cond:

@@ -84,3 +84,36 @@ def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_clus
     finally:
         srv.close()
     assert srv.demand.requested == 0 and srv.demand.changes[-1]["reason"] == "the service closed"
+
+
+def test_the_autoscale_thread_asks_renews_and_withdraws_its_request():
+    """The loop around `Demand` (service/autoscale.py), with the cluster's answers given: a
+    rank that waits while the producer makes steps gets a request placed, renewed every
+    tick, and withdrawn when the thread closes; a tick on which the cluster does not answer
+    decides nothing."""
+    from service.autoscale import Autoscaler
+
+    placed: list[int] = []
+    answers = iter([RuntimeError("the GCS is restarting")] * 3)
+
+    def cluster():
+        for e in answers:  # the first ticks: no answer
+            raise e
+        return 1, 4.0
+
+    now = time.time()
+    making = [(now - 60 + i, "making") for i in range(60)]
+    d = Demand(max_cpus=16, up_wait=0.05, cooldown_s=0)
+    scaler = Autoscaler(d, waits=lambda: {0: 30.0}, observed=lambda: making,
+                        place=lambda: placed.append, cluster=cluster, tick_s=0.01)  # fmt: skip
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and placed.count(5) < 3:
+            time.sleep(0.01)
+    finally:
+        scaler.close()
+    assert d.cluster == {"nodes": 1, "cpus": 4.0}
+    assert placed[0] == 5 and placed.count(5) >= 3, placed  # 4 CPUs and a quarter more, renewed
+    assert placed[-1] == 0 and d.requested == 0
+    reasons = [c["reason"] for c in d.view()["changes"]]
+    assert "ranks waited" in reasons[0] and reasons[-1] == "the service closed"
