@@ -160,7 +160,8 @@ def test_cli_export_against_a_running_cluster(ray_cluster, corpus, tmp_path):
 def test_an_export_joining_a_cluster_tokenizes_on_a_warm_pool_by_default(monkeypatch):
     from pipeline.read.pool import PoolExecutor
     from pipeline.read.reading import iter_blocks_local
-    from service.cli import _executor, build_parser
+    from service.cli import build_parser
+    from service.commands.export import _executor
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("TOKENMILL_RAY_ADDRESS", raising=False)
