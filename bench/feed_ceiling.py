@@ -2,7 +2,7 @@
 
     python -m bench.feed_ceiling [--corpus FILE.jsonl] [--mb 40] [--json PATH]
 
-The blocks of a corpus are tokenized once, in this process, and kept in memory; then a Feed
+The blocks of a corpus are tokenized once, in this process, and kept in memory; then a StepFeed
 is run over them with an executor that hands them out instantly, so what is timed is only
 what one feed does per token: the windowed shuffle, mixing, packing (concat and bfd),
 building steps, and, for the export, writing them (compact layout, Parquet, one file per
@@ -34,14 +34,14 @@ def _corpus(path: Path | None, mb: int, work: Path) -> Path:
 
 
 def run(corpus: Path, mode: str, write: bool, work: Path) -> dict:
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
     from pipeline.read.reading import iter_blocks_local
     from pipeline.read.resolve import parse_config
     from wire.layout import compact, step_path, write_step
 
     cfg = parse_config({"seq_len": SEQ_LEN, "global_batch_size": 16, "packing": {"mode": mode},
                         "streams": {"s": {"paths": [str(corpus)]}}})  # fmt: skip
-    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
+    units = StepFeed(cfg, executor=iter_blocks_local).streams[0].units(0)
     t = time.perf_counter()
     blocks = {u.index: list(iter_blocks_local([u], cfg.streams["s"], cfg.tokenizer)) for u in units}
     tokenize_s = time.perf_counter() - t
@@ -53,7 +53,7 @@ def run(corpus: Path, mode: str, write: bool, work: Path) -> dict:
     out = work / f"out-{mode}"
     out.mkdir(exist_ok=True)
     t = time.perf_counter()
-    feed = Feed(cfg, executor=cached)
+    feed = StepFeed(cfg, executor=cached)
     feed.full_batches = False  # as the export builds them (compact layout)
     while (batch := feed.next_step()) is not None:
         if write:  # what the export does with a step

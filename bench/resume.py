@@ -24,10 +24,10 @@ def warm_latencies(cfg, steps: int) -> dict:
 
     Each figure is the wall time from constructing the feed to holding its first step.
     """
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
 
     t = time.perf_counter()
-    feed = Feed(cfg)
+    feed = StepFeed(cfg)
     feed.next_step()
     first_s = time.perf_counter() - t
     states = {}
@@ -43,7 +43,7 @@ def warm_latencies(cfg, steps: int) -> dict:
     result["resume_s"] = {}
     for step, state in states.items():
         t = time.perf_counter()
-        resumed = Feed(cfg, state=state)
+        resumed = StepFeed(cfg, state=state)
         resumed.next_step()
         result["resume_s"][step] = time.perf_counter() - t
         resumed.close()
@@ -82,10 +82,10 @@ def main(argv=None) -> int:
 
 def warm_up(cfg) -> None:
     """Make the cluster warm: one feed to its first step (workers started, tokenizer cached)."""
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
     from pipeline.lanes import LanedFeed
 
-    feed = Feed(cfg) if cfg.lanes == 1 else LanedFeed(cfg)
+    feed = StepFeed(cfg) if cfg.lanes == 1 else LanedFeed(cfg)
     feed.next_step()
     feed.close()
 

@@ -9,7 +9,7 @@ epoch cut into 20 windows of 5% of its tokens:
 - `first_top`: the largest share of one source's tokens in the first 5%;
 - `max_top`: that share in the worst 5% window;
 - `mean_tv`: the mean total-variation distance between a window's source mix and the corpus's;
-- `first_step_s`: a Feed's time to its first global step (in-process tokenizer, loaded
+- `first_step_s`: a StepFeed's time to its first global step (in-process tokenizer, loaded
   before; the median of 3, after the epoch);
 - `epoch_s`: the epoch's read through the shuffle (tokenizing in this process included, under
   tracemalloc);
@@ -17,7 +17,7 @@ epoch cut into 20 windows of 5% of its tokens:
   which sees the numpy buffers that the blocks' tokens live in, and every Python object): the
   blocks the stream holds, open pieces included (the resident size hides it: the tokenizer's
   load leaves freed memory that the read reuses);
-- `resume_s`: a Feed's time from a state at step 600 (~40% of the default corpus) to its
+- `resume_s`: a StepFeed's time from a state at step 600 (~40% of the default corpus) to its
   next step (the open pieces, the window and the packer's pool re-read); `state_bytes`;
 - `peak_rss_mb`: the process's peak resident memory over the first steps and the epoch,
   and `base_rss_mb` with the tokenizer loaded, before reading.
@@ -106,7 +106,7 @@ def windows(labels: np.ndarray, tokens: np.ndarray, sources: int, parts: int = 2
 
 def child(corpus: Path, name: str, per_source: int, sources: int, seed: int) -> dict:
     """One shuffle's figures (run in its own process)."""
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
     from pipeline.read.reading import iter_blocks_local
     from pipeline.stages.documents import DocSource
     from pipeline.stages.shuffle import WindowShuffle
@@ -131,18 +131,18 @@ def child(corpus: Path, name: str, per_source: int, sources: int, seed: int) -> 
         times = []
         for _ in range(3):
             t0 = time.monotonic()
-            feed = Feed(cfg, executor=iter_blocks_local)
+            feed = StepFeed(cfg, executor=iter_blocks_local)
             feed.next_step()
             times.append(time.monotonic() - t0)
             feed.close()
         out["first_step_s"] = round(sorted(times)[1], 2)
-        feed = Feed(cfg, executor=iter_blocks_local)
+        feed = StepFeed(cfg, executor=iter_blocks_local)
         for _ in range(RESUME_AT):
             feed.next_step()
         state = feed.get_state()
         feed.close()
         t0 = time.monotonic()
-        resumed = Feed(cfg, executor=iter_blocks_local, state=state)
+        resumed = StepFeed(cfg, executor=iter_blocks_local, state=state)
         resumed.next_step()
         out["resume_s"] = round(time.monotonic() - t0, 2)
         out["state_bytes"] = len(json.dumps(state))

@@ -6,7 +6,7 @@
   and store, and tokenized into Arrow blocks by Ray workers, a pool or the head start;
 - `stages/`: documents, shuffle, mixing and packing, each a resumable stage;
 - `state/`: a run's sealed resume state and its summary;
-- `feed.py`: the stages chained into global steps (`Feed`), what export and serve run;
+- `feed.py`: the stages chained into global steps (`StepFeed`), what export and serve run;
 - `lanes/`: K feeds, each a Ray actor with its share of the data, joined into global steps;
 - `inspect/`: questions asked of a config without a run: `stats`, `provenance` (trace).
 

@@ -47,7 +47,7 @@ from pipeline.tokenize.engines import load_tokenizer
 from wire.lanes import rank_meta, rank_rows, runs_of
 from wire.schema import StepChunk, build_batches, build_chunk, with_metadata
 
-S = TypeVar("S")  # a state as `Feed._steps` takes it: a dict, or kept
+S = TypeVar("S")  # a state as `StepFeed._steps` takes it: a dict, or kept
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class LeaveOut:
     why: str
 
 
-class Feed:
+class StepFeed:
     """The global step sequence of a config. `executor` reads and tokenizes: Ray Data
     (`reading.iter_blocks_ray`, the default) or this process (`reading.iter_blocks_local`);
     `first_executor`, if given, makes each stream's first read instead (e.g.
@@ -90,7 +90,7 @@ class Feed:
             if cfg.lanes > 1:
                 raise ValueError(
                     f"the config has lanes: {cfg.lanes}: its steps are made by "
-                    "pipeline.lanes.LanedFeed (a Feed is one lane: pass lane=k)"
+                    "pipeline.lanes.LanedFeed (a StepFeed is one lane: pass lane=k)"
                 )
             lane = 0
         if not 0 <= lane < cfg.lanes:
@@ -182,7 +182,7 @@ class Feed:
             weights = {n: s.weight for n, s in self.cfg.streams.items()}
             self.mixer.schedule(self.step, weights, "resume")
 
-    def __iter__(self) -> Feed:
+    def __iter__(self) -> StepFeed:
         return self
 
     def __next__(self) -> pa.RecordBatch:
@@ -360,11 +360,11 @@ def rank_runs(
 
 
 class StepSource(Protocol):
-    """What makes global steps, behind one interface: a `Feed` (this process makes every row)
+    """What makes global steps, behind one interface: a `StepFeed` (this process makes every row)
     or a `LanedFeed` (pipeline/lanes/feed.py: K lanes make them; with `hold` the lanes keep
     the rows and ranks take them from there). The batch server, its producer and `export` use
     a source only through this, never asking which one it is. What only lanes do is a no-op
-    (or None) on a `Feed`."""
+    (or None) on a `StepFeed`."""
 
     step: int  # the next global step to make
     rows: int  # rows made so far

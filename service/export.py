@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pipeline.config import Config
-from pipeline.feed import Feed, LeaveOut, rank_slice
+from pipeline.feed import LeaveOut, StepFeed, rank_slice
 from pipeline.lanes import PENDING, LanedFeed, LanedStep, Writes
 from pipeline.read.reading import Executor, iter_blocks_local, ray_executor, with_head_start
 from pipeline.state.resume import check_laned_state, check_state
@@ -178,7 +178,7 @@ class _StepFiles:
         self.last_at = time.monotonic()
         self.first_at = self.first_at or self.last_at
 
-    def rejects(self, feed: Feed | LanedFeed) -> None:
+    def rejects(self, feed: StepFeed | LanedFeed) -> None:
         for rej in feed.rejects:
             self._rejects.write(json.dumps(rej.as_dict()) + "\n")
         self.rejects_written += len(feed.rejects)
@@ -264,11 +264,11 @@ def run_export(
     # Workers elsewhere (Ray Data, a warm pool): this process tokenizes until they deliver.
     first = None if executor is iter_blocks_local else with_head_start(executor, ray_ready)
     files = _StepFiles(out, cfg, world_size, fmt, layout)
-    feed: Feed | LanedFeed | None = None
+    feed: StepFeed | LanedFeed | None = None
     full = layout == "full" or fmt == "mds"  # compact: nothing derivable
     try:
         if cfg.lanes == 1:
-            feed = Feed(cfg, executor, first, state=resume, allow_config_change=allow_config_change,
+            feed = StepFeed(cfg, executor, first, state=resume, allow_config_change=allow_config_change,
                         leave_out=leave_out)  # fmt: skip
             feed.full_batches = full
         else:  # each lane reads with Ray Data in its own actor, or here with --local

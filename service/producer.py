@@ -1,4 +1,4 @@
-"""The producer: runs the deterministic Feed on a thread, one global step at a time, into the
+"""The producer: runs the deterministic StepFeed on a thread, one global step at a time, into the
 step window, whenever the window has room and nobody paused it. Ray-free.
 
 It shares one condition variable with the server, so a rank waiting for a step wakes the

@@ -3,7 +3,7 @@
 Ray-free parts do the work, each unit-tested on its own:
 - `window.StepWindow`: the world, retention (a step is held until every rank of the world has
   taken it) and flow control (at most `prefetch` steps ahead of the slowest live rank);
-- `producer.Producer`: the deterministic Feed on a thread, one step at a time, into the window;
+- `producer.Producer`: the deterministic StepFeed on a thread, one step at a time, into the window;
 - `telemetry.Telemetry`: throughput history, data wait per rank, the rejects buffer;
 - `autoscale.Autoscaler` (with `service.autoscale`): a thread that asks the cluster for CPUs
   while the ranks wait (the rule: `demand.Demand`).
@@ -246,14 +246,14 @@ class BatchServer:
 
     def _make_feed(self, state: dict | None, allow_config_change: bool = False,
                    leave_out: LeaveOut | None = None) -> StepSource:  # fmt: skip
-        """A Feed at `state`; a state that does not fit raises here, before anything changes.
+        """A StepFeed at `state`; a state that does not fit raises here, before anything changes.
 
         Reads as an export does: this process tokenizes the first units itself (the head
         start) until the workers deliver: the warm pool on a running cluster (`pool`: its
         actors outlive a service, so the next one finds them warm), else Ray Data tasks.
         Where the pool's actors are already up, they make the first units too. The blocks
         are the same whoever tokenizes them, so the sequence is too."""
-        from pipeline.feed import Feed
+        from pipeline.feed import StepFeed
         from pipeline.lanes import LanedFeed
         from pipeline.read.pool import pool_executor, pool_is_warm
         from pipeline.read.reading import iter_blocks_ray, with_head_start
@@ -272,13 +272,13 @@ class BatchServer:
                 # K lane actors read (Ray Data), mix, pack and keep their rows; this actor
                 # keeps the window of where they are, and ranks take them from the lanes
                 # (`hold`: no token passes through here). Every step's state is kept, as a
-                # Feed's (the window).
+                # StepFeed's (the window).
                 return LanedFeed(self.cfg, state=state, allow_config_change=allow_config_change,
                                  full_batches=False, state_every=1,
                                  on_reject=self.telemetry.add_reject,
                                  wait_for_figures=False, leave_out=leave_out,
                                  hold=True, restarts=self.cfg.service.lane_restarts)  # fmt: skip
-            feed = Feed(
+            feed = StepFeed(
                 self.cfg,
                 executor,
                 first,
@@ -838,7 +838,7 @@ class BatchServer:
             # The first step whose production has not begun; it changes only under this lock
             # (feed.step moves inside next_step, outside it), so concurrent calls agree and
             # the schedule never goes backwards, also across the end of the data.
-            # Lanes confirm it as they come to it (`wait=False`); a Feed changes at once.
+            # Lanes confirm it as they come to it (`wait=False`); a StepFeed changes at once.
             step = self.feed.set_weights(weights, self.producer.first_open, wait=False)
             self._sample(force=True)
             return step

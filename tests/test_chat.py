@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.tokenize.chat import ChatEncoder, validate_messages
@@ -86,7 +86,7 @@ def test_custom_template_override(tokenizer, tmp_path):
         "tokenizer": {"name": "default", "chat_template": template, "bos_id": 100257},
         "streams": {"c": {"kind": "chat", "paths": [str(tmp_path / "c.jsonl")]}},
     })  # fmt: skip
-    batch = Feed(cfg, executor=iter_blocks_local).next_step()
+    batch = StepFeed(cfg, executor=iter_blocks_local).next_step()
     [row] = list(rows_of(batch))
     n = row["seq_lens"][0]
     ids, labels = np.array(row["input_ids"][:n]), np.array(row["labels"][:n])
@@ -130,7 +130,7 @@ def test_malformed_conversations_are_counted_and_good_ones_kept(tokenizer, tmp_p
     (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
     cfg = parse_config({"seq_len": 64, "global_batch_size": 1,
                         "streams": {"c": {"kind": "chat", "paths": [str(tmp_path / "c.jsonl")]}}})  # fmt: skip
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     rows = []
     while (b := feed.next_step()) is not None:
         rows += list(rows_of(b))

@@ -224,19 +224,19 @@ def test_closing_or_dropping_a_feed_stops_its_reads(ray_cluster, corpus):
     the feed, whether it is closed or just dropped."""
     import gc
 
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
 
     cfg = config(corpus, "concat")
     cfg = cfg.model_copy(
         update={"streams": {n: s.model_copy(update={"repeat": 3}) for n, s in cfg.streams.items()}}
     )
     assert not _wait_gone()
-    feed = Feed(cfg)
+    feed = StepFeed(cfg)
     assert feed.next_step() is not None
     assert _prefetch_threads(), "expected reads running ahead"
     feed.close()
     assert not _wait_gone()
-    feed = Feed(cfg)
+    feed = StepFeed(cfg)
     assert feed.next_step() is not None
     del feed
     gc.collect()

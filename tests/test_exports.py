@@ -106,7 +106,7 @@ def test_full_layout_schema_is_the_batch_schema(tmp_path):
 
 def _small_units(tmp_path):
     """(config, units, stream, blocks made in-process) of the corpus cut into small units."""
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
 
     cfg = parse_config(
         {
@@ -115,7 +115,7 @@ def _small_units(tmp_path):
             "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}},
         }
     )
-    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
+    units = StepFeed(cfg, executor=iter_blocks_local).streams[0].units(0)
     stream = cfg.streams["code"]
     return cfg, units, stream, list(iter_blocks_local(units, stream, cfg.tokenizer))
 
@@ -301,14 +301,14 @@ def test_a_head_start_that_made_everything_does_not_wait_for_ray(tmp_path):
     import time
     from concurrent.futures import Future
 
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
     from pipeline.read.headstart import MIN_UNITS_FOR_EXECUTOR, HeadStart
     from pipeline.read.reading import iter_blocks_local
 
     cfg = parse_config(
         {"seq_len": SEQ, "streams": {"code": {"paths": [str(_corpus(tmp_path) / "code.jsonl")]}}}
     )
-    units = Feed(cfg, executor=iter_blocks_local).streams[0].units(0)
+    units = StepFeed(cfg, executor=iter_blocks_local).streams[0].units(0)
     assert len(units) < MIN_UNITS_FOR_EXECUTOR
     stream = cfg.streams["code"]
 
@@ -391,12 +391,12 @@ import sys
 from pathlib import Path
 from pipeline.read.resolve import parse_config
 from wire.layout import compact
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from wire.layout import write_step as _write
 cfg = parse_config({{"seq_len": 256, "global_batch_size": 4,
                     "streams": {{"s": {{"paths": ["{tmp_path / "d.jsonl"}"]}}}}}})
-feed = Feed(cfg, iter_blocks_local)
+feed = StepFeed(cfg, iter_blocks_local)
 feed.full_batches = False
 _write(compact(feed.next_step(), False), Path("{tmp_path / "s.parquet"}"), "parquet")
 assert "pandas" not in sys.modules, "pandas was imported on the way to the first step"
@@ -451,13 +451,13 @@ def test_a_reply_run_decodes_to_each_step_of_the_rank(tmp_path, monkeypatch, dec
 
     monkeypatch.setattr(trainer.feed, "DECODE_TOKENS", decode_tokens)
 
-    from pipeline.feed import Feed, rank_runs, rank_slice
+    from pipeline.feed import StepFeed, rank_runs, rank_slice
     from trainer.feed import to_torch_steps
     from wire.arrays import from_ipc, to_ipc
     from wire.layout import tensor_columns
 
     cfg = _config(_corpus(tmp_path), chat=False)
-    feed = Feed(cfg, iter_blocks_local)
+    feed = StepFeed(cfg, iter_blocks_local)
     feed.full_batches = False
     steps = [feed.next_step() for _ in range(6)]
     feed.close()
@@ -480,11 +480,11 @@ def test_a_reply_run_decodes_to_each_step_of_the_rank(tmp_path, monkeypatch, dec
 @pytest.mark.parametrize("full", [True, False], ids=["full", "compact"])
 @pytest.mark.parametrize("chat", [False, True], ids=["pretrain", "chat"])
 def test_steps_assembled_together_are_the_steps_made_one_by_one(tmp_path, chat, full):
-    """`Feed.steps(n)` packs n steps and assembles their rows in one pass: each batch, its
+    """`StepFeed.steps(n)` packs n steps and assembles their rows in one pass: each batch, its
     schema (compact: labels only on a step whose rows carry a loss mask), its metadata and
     its IPC bytes are those of `next_step` called n times, through the short last step; the
     states after each step are the same too."""
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
     from wire.arrays import to_ipc
 
     cfg = _config(_corpus(tmp_path), chat, mode="concat")
@@ -492,7 +492,7 @@ def test_steps_assembled_together_are_the_steps_made_one_by_one(tmp_path, chat, 
     if chat:  # a few chats: steps with a loss mask and steps without
         raw["streams"]["code"]["weight"], raw["streams"]["chat"]["weight"] = 0.95, 0.05
     cfg = parse_config(raw)
-    alone, together = (Feed(cfg, executor=iter_blocks_local) for _ in range(2))
+    alone, together = (StepFeed(cfg, executor=iter_blocks_local) for _ in range(2))
     alone.full_batches = together.full_batches = full
     want = []
     while (b := alone.next_step()) is not None:

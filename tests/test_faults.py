@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local, iter_blocks_ray
 from pipeline.read.resolve import parse_config
 from service.export import run_export
@@ -84,7 +84,7 @@ def test_service_restarted_from_the_last_state_continues_exactly(ray_cluster, tm
 
     write_jsonl(tmp_path / "d.jsonl", stdlib_texts(40, max_bytes=4000))
     cfg = _cfg(tmp_path / "d.jsonl")
-    straight = Feed(cfg, executor=iter_blocks_local)
+    straight = StepFeed(cfg, executor=iter_blocks_local)
     want = [list(rows_of(straight.next_step())) for _ in range(7)]
 
     first = start_server(cfg, name=f"fa{os.getpid()}", prefetch=2)
@@ -119,11 +119,11 @@ def test_shard_corrupted_between_runs(tmp_path, on_error):
         pq.write_table(pa.table({"text": texts[4 * i : 4 * i + 4]}), tmp_path / f"p{i}.parquet")
     cfg = _cfg(tmp_path / "*.parquet", on_error=on_error, shuffle={"files": False, "window": 1},
                packing={"mode": "concat"})  # fmt: skip
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     feed.next_step()
     state = feed.get_state()
     (tmp_path / "p2.parquet").write_bytes(b"PAR1 garbage")  # corrupted after the state was taken
-    resumed = Feed(cfg, executor=iter_blocks_local, state=state)
+    resumed = StepFeed(cfg, executor=iter_blocks_local, state=state)
     if on_error == "fail":
         with pytest.raises(ValueError, match=r"p2\.parquet.*corrupt"):
             while resumed.next_step() is not None:
@@ -146,19 +146,19 @@ def test_replay_through_a_corrupted_shard_is_a_clear_error(tmp_path):
         shuffle={"files": False, "window": 1},
         packing={"mode": "bfd", "buffer": 64},
     )
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     feed.next_step()
     state = feed.get_state()  # the bfd buffer holds documents of every file
     (tmp_path / "p1.parquet").write_bytes(b"PAR1 garbage")
     with pytest.raises(ValueError, match="sources changed since the state was written"):
-        Feed(cfg, executor=iter_blocks_local, state=state)
+        StepFeed(cfg, executor=iter_blocks_local, state=state)
 
 
 def test_resume_seeks_instead_of_re_reading_the_prefix(tmp_path):
     """Resuming late in a stream re-reads about one window plus the packing buffer, not the prefix."""
     write_jsonl(tmp_path / "d.jsonl", stdlib_texts(200, max_bytes=6000))
     cfg = _cfg(tmp_path / "d.jsonl", packing={"mode": "bfd", "buffer": 16})
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     states, read = {}, {}
     for step in range(400):
         states[step], read[step] = feed.get_state(), feed.streams[0].counters.docs
@@ -170,5 +170,7 @@ def test_resume_seeks_instead_of_re_reading_the_prefix(tmp_path):
     restart = states[late]["packer"]["streams"]["s"]["input"]["input"]["position"]
     reread = read[late] - restart[3]  # (epoch, unit, row, docs, ...)
     assert 0 < reread <= cfg.shuffle.window + 2 * cfg.packing.buffer
-    resumed = Feed(cfg, executor=iter_blocks_local, state=states[late])  # the replay happens here
+    resumed = StepFeed(
+        cfg, executor=iter_blocks_local, state=states[late]
+    )  # the replay happens here
     assert resumed.streams[0].counters.docs == read[late]  # it read up to where the run stood

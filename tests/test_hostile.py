@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.stages.documents import BadRecordError
@@ -50,7 +50,7 @@ def _cfg(tmp_path, paths, on_error="skip", **extra):
 
 
 def _run(cfg):
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     rows = []
     while (b := feed.next_step()) is not None:
         rows += list(rows_of(b))
@@ -77,7 +77,7 @@ def test_skip_keeps_every_good_record_and_counts_every_bad_one(tmp_path, tokeniz
 
 def test_fail_names_the_file_and_record(tmp_path):
     hostile_jsonl(tmp_path / "h.jsonl")
-    feed = Feed(
+    feed = StepFeed(
         _cfg(tmp_path, [str(tmp_path / "h.jsonl")], on_error="fail"), executor=iter_blocks_local
     )
     with pytest.raises(BadRecordError, match=r"h\.jsonl, record 1: invalid JSON"):

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from pipeline.config import ConfigError
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
@@ -24,8 +24,8 @@ def two_streams(tmp_path, wa, wb, **over):
 
 
 def test_weights_whose_sum_overflows_mix_like_equal_weights(tmp_path):
-    huge = Feed(parse_config(two_streams(tmp_path, 1e308, 1e308)), executor=iter_blocks_local)
-    equal = Feed(parse_config(two_streams(tmp_path, 1, 1)), executor=iter_blocks_local)
+    huge = StepFeed(parse_config(two_streams(tmp_path, 1e308, 1e308)), executor=iter_blocks_local)
+    equal = StepFeed(parse_config(two_streams(tmp_path, 1, 1)), executor=iter_blocks_local)
     try:
         for _ in range(5):
             assert huge.next_step().equals(equal.next_step())

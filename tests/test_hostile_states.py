@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.stages.mixing import HISTORY_PAST
@@ -34,7 +34,7 @@ def _cfg(d, mode="bfd"):
 def run(tmp_path_factory):
     """A tiny bfd run: the state after step 3 and the batches of steps 3..6."""
     cfg = _cfg(tmp_path_factory.mktemp("hostile_states"))
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     for _ in range(3):
         feed.next_step()
     state = json.loads(json.dumps(feed.get_state()))
@@ -203,7 +203,7 @@ def test_any_field_deleted_or_of_another_type_is_a_state_error(run):
             # Accepted: it resumes, or the stages find that the data differ from what it says
             # (a position moved): a StateError too, never a crash.
             with contextlib.suppress(StateError):
-                Feed(cfg, executor=iter_blocks_local, state=bad).close()
+                StepFeed(cfg, executor=iter_blocks_local, state=bad).close()
     assert tried > 500
 
 
@@ -218,7 +218,7 @@ def test_an_impossible_state_resealed_by_hand_is_refused_naming_the_field(run, e
     with pytest.raises(StateError, match=message):
         _check(cfg, bad)
     with pytest.raises(StateError, match=message):
-        Feed(cfg, executor=iter_blocks_local, state=bad)
+        StepFeed(cfg, executor=iter_blocks_local, state=bad)
 
 
 # --- 7. the mixture history is bounded, and resume stays exact ---------------------------------
@@ -245,8 +245,8 @@ def test_many_weight_changes_keep_the_history_bounded_and_the_schedule_exact(tmp
     step, the history and the state stay small, and a resume continues exactly."""
     cfg = _cfg(tmp_path, mode="concat")
     hammered, reference = (
-        Feed(cfg, executor=iter_blocks_local),
-        Feed(cfg, executor=iter_blocks_local),
+        StepFeed(cfg, executor=iter_blocks_local),
+        StepFeed(cfg, executor=iter_blocks_local),
     )
     try:
         states, batches = _hammer(hammered, 0, 12)
@@ -265,7 +265,7 @@ def test_many_weight_changes_keep_the_history_bounded_and_the_schedule_exact(tmp
         hammered.close()
         reference.close()
     for k in (3, 11):
-        resumed = Feed(cfg, executor=iter_blocks_local, state=states[k])
+        resumed = StepFeed(cfg, executor=iter_blocks_local, state=states[k])
         try:
             first = resumed.next_step().to_pydict()  # step k: its changes are in the state
             _, again = _hammer(resumed, k + 1, 12)
@@ -278,7 +278,7 @@ def test_a_resume_after_the_history_was_trimmed_continues_exactly(tmp_path):
     """Changes scheduled ahead (a config-like schedule), then many at the next step: the
     state after trimming resumes into the same steps, changes still to come included."""
     cfg = _cfg(tmp_path, mode="bfd")
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     try:
         for step in range(15):
             feed.set_weights(_weights(step))
@@ -293,7 +293,7 @@ def test_a_resume_after_the_history_was_trimmed_continues_exactly(tmp_path):
     finally:
         feed.close()
     assert state["packer"]["mixer"]["history_dropped"] > 0
-    resumed = Feed(cfg, executor=iter_blocks_local, state=state)
+    resumed = StepFeed(cfg, executor=iter_blocks_local, state=state)
     try:
         again = [resumed.next_step() for _ in range(4)]
     finally:
@@ -309,7 +309,7 @@ def test_a_state_taken_right_after_a_resume_that_removed_a_stream_is_accepted(ru
     only_a = parse_config(
         cfg.model_dump(mode="json") | {"streams": {"a": cfg.streams["a"].model_dump(mode="json")}}
     )
-    feed = Feed(only_a, executor=iter_blocks_local, state=state, allow_config_change=True)
+    feed = StepFeed(only_a, executor=iter_blocks_local, state=state, allow_config_change=True)
     try:
         first = json.loads(json.dumps(feed.get_state()))
         after = [feed.next_step() for _ in range(2)]
@@ -317,7 +317,7 @@ def test_a_state_taken_right_after_a_resume_that_removed_a_stream_is_accepted(ru
         feed.close()
     assert sum(first["packer"]["mixer"]["weights"].values()) < 1
     _check(only_a, first)
-    resumed = Feed(only_a, executor=iter_blocks_local, state=first)
+    resumed = StepFeed(only_a, executor=iter_blocks_local, state=first)
     try:
         assert all(resumed.next_step().equals(want) for want in after)
     finally:

@@ -13,7 +13,7 @@ import json
 import pyarrow as pa
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.lanes import LanedFeed, LaneError
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
@@ -278,7 +278,7 @@ def test_lanes_serve_each_piece_once_with_the_documents_tokens(streams, lanes):
     lane of the data, here ~17k tokens cut into 8 KiB pieces, so up to a quarter at K=4)."""
     docs = {}
     for name, stream in streams.items():
-        alone = steps_of(Feed(config({name: stream}, 1), iter_blocks_local))
+        alone = steps_of(StepFeed(config({name: stream}, 1), iter_blocks_local))
         docs |= reassemble(r for b in alone for r in rows_of(b))
     many = pieces_of(steps_of(laned(config(streams, lanes))))
     seen = set()
@@ -288,7 +288,7 @@ def test_lanes_serve_each_piece_once_with_the_documents_tokens(streams, lanes):
             seen.add((key, off))
             assert toks == docs[key][off : off + len(toks)].tolist(), (key, off)
     served = sum(len(t) for parts in many.values() for _, t in parts)
-    one = pieces_of(steps_of(Feed(config(streams, 1), iter_blocks_local)))
+    one = pieces_of(steps_of(StepFeed(config(streams, 1), iter_blocks_local)))
     assert served >= 0.75 * sum(len(t) for parts in one.values() for _, t in parts)
 
 
@@ -313,7 +313,7 @@ def test_a_lane_owns_its_rows_of_every_step(streams):
     """Lane k makes rows [k*G/K, (k+1)*G/K): a lane's own feed gives exactly those rows."""
     cfg = config(streams, 2)
     joined = steps_of(laned(cfg), 5)
-    lane1 = steps_of(Feed(cfg, iter_blocks_local, lane=1), 5)
+    lane1 = steps_of(StepFeed(cfg, iter_blocks_local, lane=1), 5)
     for whole, part in zip(joined, lane1, strict=True):
         assert whole.slice(4, 4).to_pydict() == part.to_pydict()
 
@@ -341,8 +341,8 @@ def test_states_of_other_lanes_are_refused_by_name(streams):
     with pytest.raises(StateError, match="has 2 lanes, this config has lanes: 4"):
         laned(four, state=state)
     with pytest.raises(StateError, match="holds 2 lanes and this config has lanes: 1"):
-        Feed(one, iter_blocks_local, state=state)
-    single = Feed(one, iter_blocks_local)
+        StepFeed(one, iter_blocks_local, state=state)
+    single = StepFeed(one, iter_blocks_local)
     single.next_step()
     with pytest.raises(StateError, match="a single feed's and this config has lanes: 2"):
         check_laned_state(single.get_state(), two.config_hash(), ["code", "chat"], False,

@@ -29,7 +29,7 @@ def test_the_house_keeps_its_floors():
 def test_an_upward_import_inside_a_function_fails(tmp_path):
     root = house(tmp_path)
     cfg = root / "pipeline" / "config.py"
-    cfg.write_text(cfg.read_text() + "\n\ndef _late():\n    from pipeline.feed import Feed\n")
+    cfg.write_text(cfg.read_text() + "\n\ndef _late():\n    from pipeline.feed import StepFeed\n")
     r = run(root)
     assert r.returncode == 1
     assert (

@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.stages.mixing import DeficitMixer
@@ -38,7 +38,7 @@ def three_streams(tmp_path):
 def run(streams, steps, mode="bfd", **extra):
     cfg = parse_config({"seed": 3, "seq_len": SEQ, "global_batch_size": 8, "packing": {"mode": mode, "buffer": 64},
                         "streams": streams, **extra})  # fmt: skip
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     batches = []
     for _ in range(steps):
         b = feed.next_step()

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import time
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.pool import NAMESPACE, code_digest, pool_executor, pool_is_warm
 from pipeline.read.reading import iter_blocks_local
 from tests.conformance import batch_bytes
 from tests.test_export import config
 
 
-def _steps(feed: Feed) -> list[bytes]:
+def _steps(feed: StepFeed) -> list[bytes]:
     try:
         return [batch_bytes(b) for b in feed]
     finally:
@@ -28,18 +28,18 @@ def _pool_names(ray) -> list[str]:
 def test_a_warm_pool_makes_the_same_batches_and_outlives_one_run(ray_cluster, corpus):
     ray = ray_cluster
     cfg = config(corpus, "bfd")
-    want = _steps(Feed(cfg, iter_blocks_local))
-    assert _steps(Feed(cfg, pool_executor(2, idle_s=6))) == want
+    want = _steps(StepFeed(cfg, iter_blocks_local))
+    assert _steps(StepFeed(cfg, pool_executor(2, idle_s=6))) == want
     assert len(_pool_names(ray)) == 2
     actor = ray.get_actor(sorted(_pool_names(ray))[0], namespace=NAMESPACE)
     pid = ray.get(actor.ready.remote())
-    assert _steps(Feed(cfg, pool_executor(2, idle_s=6))) == want
+    assert _steps(StepFeed(cfg, pool_executor(2, idle_s=6))) == want
     assert ray.get(actor.ready.remote()) == pid, "the second run must find the same warm actor"
     # A warm pool makes the first units too (as a service does: no head start, the tokenizer
     # loaded on a thread), with the same bytes.
     assert pool_is_warm(2) and not pool_is_warm(3)
     warm = pool_executor(2, idle_s=6)
-    assert _steps(Feed(cfg, warm, warm)) == want
+    assert _steps(StepFeed(cfg, warm, warm)) == want
     deadline = time.monotonic() + 60
     while _pool_names(ray) and time.monotonic() < deadline:
         time.sleep(1)

@@ -130,9 +130,9 @@ def test_export_source_rejects_what_is_not_an_export(tmp_path):
             "streams": {"t": {"format": "export", "paths": [str(d)]}},
         }
     )
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
 
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     assert feed.next_step() is None  # the one "step file" is corrupt: skipped, reported
     [reject] = feed.rejects
     assert reject.file.endswith("step-00000000-rank-0.parquet")
@@ -211,7 +211,7 @@ def test_parquet_and_arrow_token_lists_get_bos_as_configured(tmp_path):
 def test_bad_token_records_are_named_and_counted(tmp_path):
     from streaming import MDSWriter
 
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
     from pipeline.stages.documents import BadRecordError
 
     good = _token_docs(3, seed=5)
@@ -236,7 +236,7 @@ def test_bad_token_records_are_named_and_counted(tmp_path):
             w.write({"tokens": d.astype(np.int64).tobytes()})
     cfg = parse_config({"seq_len": SEQ, "streams": {"t": {"paths": [str(tmp_path / "raw")],
                                                            "tokens_field": "tokens"}}})  # fmt: skip
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     assert feed.next_step() is None
     assert feed.summary().streams["t"].skipped == 3
     assert {r.reason for r in feed.rejects} == {

@@ -1,11 +1,11 @@
-"""The Ray-free producer and telemetry: a real Feed (in-process reads) into a StepWindow."""
+"""The Ray-free producer and telemetry: a real StepFeed (in-process reads) into a StepWindow."""
 
 import threading
 import time
 
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.stages.documents import Reject
@@ -28,7 +28,7 @@ def parts(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", stdlib_texts(6, max_bytes=2000))
     cfg = parse_config({"seq_len": 64, "global_batch_size": 2, "shuffle": {"window": 2},
                         "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}})  # fmt: skip
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     window, cond = StepWindow(0, 3, None), threading.Condition()
     producer = Producer(feed, window, cond)
     yield producer, window, cond

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.state.resume import StateError
@@ -42,7 +42,7 @@ def make(tmp, mode, seed, **extra):
         },
         **extra,
     })  # fmt: skip
-    return lambda state: Feed(cfg, executor=iter_blocks_local, state=state)
+    return lambda state: StepFeed(cfg, executor=iter_blocks_local, state=state)
 
 
 @pytest.mark.parametrize("mode", ["concat", "bfd"])
@@ -118,7 +118,7 @@ def test_config_mismatch_is_an_error_unless_allowed(mixed):
                         "streams": {"code": {"paths": [str(mixed / "code.jsonl")], "weight": 3, "repeat": 2},
                                     "prose": {"paths": [str(mixed / "prose.jsonl")], "weight": 5},
                                     "chat": {"kind": "chat", "paths": [str(mixed / "chat.jsonl")], "weight": 1}}})  # fmt: skip
-    resumed = Feed(cfg, executor=iter_blocks_local, state=state, allow_config_change=True)
+    resumed = StepFeed(cfg, executor=iter_blocks_local, state=state, allow_config_change=True)
     hist = resumed.summary().mixture_history
     assert hist[-1]["step"] == 1 and hist[-1]["source"] == "resume"
     assert resumed.next_step() is not None
@@ -151,7 +151,7 @@ def test_streams_are_resumed_by_name_and_may_be_added_or_removed_when_allowed(mi
                                          for n, w in streams.items()}})  # fmt: skip
 
     before = cfg({"code": 3, "prose": 1})
-    straight = Feed(before, executor=iter_blocks_local)
+    straight = StepFeed(before, executor=iter_blocks_local)
     for _ in range(5):
         straight.next_step()
     state = straight.get_state()
@@ -159,12 +159,12 @@ def test_streams_are_resumed_by_name_and_may_be_added_or_removed_when_allowed(mi
 
     after = cfg({"extra": 1, "code": 2})  # prose removed, extra added, another order
     with pytest.raises(StateError, match=r"streams \['code', 'prose'\].*allow-config-change"):
-        Feed(after, executor=iter_blocks_local, state=state)
-    resumed = Feed(after, executor=iter_blocks_local, state=state, allow_config_change=True)
+        StepFeed(after, executor=iter_blocks_local, state=state)
+    resumed = StepFeed(after, executor=iter_blocks_local, state=state, allow_config_change=True)
     got = [resumed.next_step() for _ in range(10)]
     code = _stream_tokens(got, "code")
     assert code and code == _stream_tokens(rest, "code")[: len(code)]
-    fresh = Feed(cfg({"extra": 1}), executor=iter_blocks_local)
+    fresh = StepFeed(cfg({"extra": 1}), executor=iter_blocks_local)
     extra = _stream_tokens(got, "extra")
     assert (
         extra
@@ -177,5 +177,5 @@ def test_streams_are_resumed_by_name_and_may_be_added_or_removed_when_allowed(mi
     assert sorted(again["packer"]["streams"]) == ["code", "extra"]
     # and the state written after the change resumes exactly under the new config
     more = [batch_bytes(resumed.next_step()) for _ in range(3)]
-    twice = Feed(after, executor=iter_blocks_local, state=again)
+    twice = StepFeed(after, executor=iter_blocks_local, state=again)
     assert [batch_bytes(twice.next_step()) for _ in range(3)] == more

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.stages.documents import OPEN, DocSource
@@ -130,7 +130,7 @@ def test_the_window_over_the_interleave_resumes_exactly(sorted_corpus):
 def test_the_feed_resumes_exactly(sorted_corpus, mode):
     cfg = _cfg(sorted_corpus)
     cfg = parse_config(cfg.model_dump(mode="json") | {"packing": {"mode": mode, "buffer": 16}})
-    assert_resume_conforms(lambda s: Feed(cfg, executor=iter_blocks_local, state=s), 60,
+    assert_resume_conforms(lambda s: StepFeed(cfg, executor=iter_blocks_local, state=s), 60,
                            [0, 1, 17, 40])  # fmt: skip
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pipeline.feed import Feed, LeaveOut
+from pipeline.feed import LeaveOut, StepFeed
 from pipeline.inspect.provenance import documents_of, segments, stream_files
 from pipeline.read.reading import iter_blocks_local
 from pipeline.state.resume import StateError, check_state, seal
@@ -22,7 +22,7 @@ from tests.test_export import config
 
 def _run(cfg, state=None, leave_out=None, state_every=0):
     """Every step to the end: [(batch, state after it or None)], and the feed's summary."""
-    feed = Feed(cfg, iter_blocks_local, state=state, leave_out=leave_out)
+    feed = StepFeed(cfg, iter_blocks_local, state=state, leave_out=leave_out)
     try:
         made = []
         while True:
@@ -92,7 +92,7 @@ def test_a_resume_leaving_out_what_later_steps_drew_loses_nothing_else(corpus, m
 
 def test_a_state_with_a_malformed_skip_list_is_refused(corpus):
     cfg = config(corpus, "bfd")
-    feed = Feed(cfg, iter_blocks_local, leave_out=LeaveOut({"code": frozenset({5, 1})}, "t"))
+    feed = StepFeed(cfg, iter_blocks_local, leave_out=LeaveOut({"code": frozenset({5, 1})}, "t"))
     try:
         feed.next_step()
         state = feed.get_state()
@@ -111,7 +111,7 @@ def test_a_state_with_a_malformed_skip_list_is_refused(corpus):
 def test_documents_to_leave_out_must_name_the_configs_streams(corpus):
     cfg = config(corpus, "bfd")
     with pytest.raises(ValueError, match=r"streams \['prose'\], not in the config"):
-        Feed(cfg, iter_blocks_local, leave_out=LeaveOut({"prose": frozenset({1})}, "t"))
+        StepFeed(cfg, iter_blocks_local, leave_out=LeaveOut({"prose": frozenset({1})}, "t"))
 
 
 def test_export_resumed_with_skip_steps_and_skip_docs(corpus, tmp_path):

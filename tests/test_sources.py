@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.formats.jsonl import jsonl_pieces as _jsonl_pieces
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
@@ -19,7 +19,7 @@ from tests.helpers import reassemble, rows_of
 def export_local(streams, seq_len=256, mode="bfd", **extra):
     cfg = parse_config({"seq_len": seq_len, "global_batch_size": 4, "packing": {"mode": mode},
                         "streams": streams, **extra})  # fmt: skip
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     rows = []
     while (b := feed.next_step()) is not None:
         rows += list(rows_of(b))

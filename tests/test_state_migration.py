@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.state.resume import STATE_VERSION, StateError, check_state, migrate, seal
@@ -44,9 +44,9 @@ def test_a_version_2_state_resumes_exactly(tmp_path, name):
     _corpus(tmp_path)
     cfg = _cfg(tmp_path, name.split("_")[0])
     old = _as_written_here(V2[name], cfg)
-    straight = Feed(cfg, executor=iter_blocks_local)
+    straight = StepFeed(cfg, executor=iter_blocks_local)
     want = [batch_bytes(straight.next_step()) for _ in range(old["step"] + 6)][old["step"] :]
-    resumed = Feed(cfg, executor=iter_blocks_local, state=old)
+    resumed = StepFeed(cfg, executor=iter_blocks_local, state=old)
     assert resumed.step == old["step"]
     assert resumed.get_state()["version"] == STATE_VERSION
     assert [batch_bytes(resumed.next_step()) for _ in range(6)] == want

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.feed import Feed
+from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from pipeline.state.resume import StateError, check_state, digest, seal
@@ -26,7 +26,7 @@ def run(tmp_path_factory):
                         "packing": {"mode": "bfd", "buffer": 8},
                         "streams": {"a": {"paths": [str(d / "a.jsonl")], "weight": 0.6},
                                     "b": {"paths": [str(d / "b.jsonl")], "weight": 0.4}}})  # fmt: skip
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     for _ in range(3):
         feed.next_step()
     state = json.loads(json.dumps(feed.get_state()))
@@ -36,7 +36,7 @@ def run(tmp_path_factory):
 
 
 def resumes_exactly(cfg, state, after) -> None:
-    feed = Feed(cfg, executor=iter_blocks_local, state=state)
+    feed = StepFeed(cfg, executor=iter_blocks_local, state=state)
     try:
         for want in after:
             assert feed.next_step().equals(want)
@@ -162,7 +162,7 @@ def test_every_mutation_is_refused_or_resumes_exactly(run, data):
     node[path[-1]] = data.draw(VALUES)
     try:
         check_state(bad, cfg.config_hash(), names(cfg), False)
-        feed = Feed(cfg, executor=iter_blocks_local, state=bad)
+        feed = StepFeed(cfg, executor=iter_blocks_local, state=bad)
     except (StateError, ValueError):
         return  # refused, with a message
     try:
@@ -199,7 +199,7 @@ def test_a_kept_state_unpacks_to_the_state_with_its_types(tmp_path, mode):
                         "streams": {"code": {"paths": [str(code)], "weight": 0.7},
                                     "chat": {"paths": [str(chat)], "kind": "chat",
                                              "weight": 0.3}}})  # fmt: skip
-    feed = Feed(cfg, executor=iter_blocks_local)
+    feed = StepFeed(cfg, executor=iter_blocks_local)
     seen = 0
     while True:
         kept, state = feed.kept_state(), feed.get_state()
@@ -231,7 +231,7 @@ def test_a_kept_laned_state_is_the_sealed_nest_of_its_lanes(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", stdlib_texts(8, max_bytes=4_000))
     cfg = parse_config({"seq_len": 128, "global_batch_size": 4, "lanes": 2,
                         "streams": {"a": {"paths": [str(src)]}}})  # fmt: skip
-    lanes = [Feed(cfg, executor=iter_blocks_local, lane=k) for k in range(2)]
+    lanes = [StepFeed(cfg, executor=iter_blocks_local, lane=k) for k in range(2)]
     for feed in lanes:
         feed.steps(3)
     states = [feed.get_state() for feed in lanes]

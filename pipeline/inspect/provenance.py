@@ -126,7 +126,7 @@ def state_steps(
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Global steps `steps` (ascending) recomputed from `state` (at or before the first), in
     this process: the feed is rebuilt once and run forward once, past every step asked for."""
-    from pipeline.feed import Feed
+    from pipeline.feed import StepFeed
     from pipeline.lanes import LanedFeed
     from pipeline.read.reading import iter_blocks_local
 
@@ -138,7 +138,7 @@ def state_steps(
         return
     _check_policy(cfg, state, at, wanted[-1])
     feed = (
-        Feed(cfg, executor=iter_blocks_local, state=state)
+        StepFeed(cfg, executor=iter_blocks_local, state=state)
         if cfg.lanes == 1
         else LanedFeed(cfg, local=True, state=state)  # every lane, here, from its state
     )

@@ -68,7 +68,7 @@ class _Chunk:
 class LanedFeed:
     """The global steps of a config with `lanes` K > 1, joined from K lane feeds.
 
-    The face an export and the batch server use of a `Feed`: `next_step`, `get_state` (at
+    The face an export and the batch server use of a `StepFeed`: `next_step`, `get_state` (at
     the start, and every `state_every` steps: a lane's state exists only at the steps it was
     asked for), `set_weights`, `rejects` (or `on_reject`), `mixer` (the global mixture's
     bookkeeping: its weight changes and what was served; the lanes do the mixing), `totals`,

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import Config
-from pipeline.feed import Feed, LeaveOut
+from pipeline.feed import LeaveOut, StepFeed
 from pipeline.lanes.steps import LaneError, LaneMade, Writes
 from pipeline.read.reading import (
     Executor,
@@ -75,7 +75,7 @@ class LaneWorker:
         if local and ahead:
             executor = reading_ahead(executor)
         first = None if local else with_head_start(executor)
-        self.feed = Feed(cfg, executor, first, state=state, leave_out=leave_out,
+        self.feed = StepFeed(cfg, executor, first, state=state, leave_out=leave_out,
                          allow_config_change=allow_config_change, lane=lane)  # fmt: skip
         self.feed.full_batches = full_batches
         self.unmade = self.feed.step

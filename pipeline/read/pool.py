@@ -175,7 +175,7 @@ class PoolExecutor:
     module); with `ready`, its executions wait for Ray to be connected."""
 
     startup_s = 1.0  # to its first block, for the head start (warm: 1.1-1.5 s on 8 MB units)
-    tokenizes_here = False  # a Feed whose first units it makes loads its tokenizer on a thread
+    tokenizes_here = False  # a StepFeed whose first units it makes loads its tokenizer on a thread
 
     def __init__(self, size: int | None, idle_s: float = 300.0, ready: Future | None = None):
         self.size, self.idle_s, self.ready = size, idle_s, ready

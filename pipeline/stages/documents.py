@@ -252,7 +252,7 @@ class DocSource:
             else:
                 units = self.units(c.epoch)[c.unit :]
             self._early = self.first_executor(units, self.stream, self.cfg.tokenizer)
-            self.first_reads = self._early  # kept for its timings (Feed.summary)
+            self.first_reads = self._early  # kept for its timings (StepFeed.summary)
 
     def close(self) -> None:
         """Stop every read this stream started (current, early and read-ahead executions)."""

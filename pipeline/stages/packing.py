@@ -186,7 +186,7 @@ class Packer:
         packer in the order they would have, and a left-out document still takes the arrival
         numbers it would have (so that a state's replay is the same whichever documents are
         left out). Pieces of them already held are dropped at the replay. Before the replay
-        (`Feed` calls it right after `set_state`). Returns how many ids each stream added."""
+        (`StepFeed` calls it right after `set_state`). Returns how many ids each stream added."""
         unknown = sorted(set(docs) - set(self.names))
         if unknown:
             raise ValueError(f"documents to leave out name streams {unknown}, not in the config")

@@ -4,7 +4,7 @@
                pieces in a seeded order, interleaved)    shuffle.py (Interleave)
       -> WindowShuffle (per stream)                      shuffle.py
         -> Packer (all streams, by name; DeficitMixer)   packing.py, mixing.py
-          -> Feed (global steps)                         feed.py
+          -> StepFeed (global steps)                     feed.py
 
 A stage implements `__next__` (StopIteration at the end), `get_state()` and `set_state(state)`,
 like grain's `DatasetIterator` and torchdata's `BaseNode`:

@@ -71,7 +71,7 @@ STATE_VERSION = 3
 SEAL = "sha256"
 LEGACY_VERSIONS = (1, 2)  # migrated on load (`migrate`)
 
-# Feed state keys (the stages' own keys are in their modules)
+# StepFeed state keys (the stages' own keys are in their modules)
 VERSION = "version"
 CONFIG_HASH = "config_hash"
 STEP = "step"

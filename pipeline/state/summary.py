@@ -123,7 +123,7 @@ class RunTotals:
 
 
 def run_totals(feed) -> RunTotals:
-    """A `Feed`'s counts as of now (since step 0, across resumes)."""
+    """A `StepFeed`'s counts as of now (since step 0, across resumes)."""
     skipped = [s.counters.skipped for s in feed.streams]
     return totals_of(feed.step, feed.rows, feed.real_tokens, feed.cfg.seq_len, feed.names,
                      feed.mixer.placed, feed.docs_emitted, skipped)  # fmt: skip
@@ -268,7 +268,7 @@ def summarize(feed) -> RunSummary:
 
 
 def left_out(feed) -> dict | None:
-    """The documents a feed leaves out (`Feed(leave_out=...)`), for its summary."""
+    """The documents a feed leaves out (`StepFeed(leave_out=...)`), for its summary."""
     p = feed.packer
     if not any(p.skip):
         return None
