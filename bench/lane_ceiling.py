@@ -88,7 +88,7 @@ def _consume(actor, rank: int, world: int, steps: int, marks: list, lanes: bool)
     import pyarrow.compute as pc
     import ray
 
-    from wire.lanes import LaneActors, fetch
+    from wire.lane_rows import LaneActors, fetch
     from wire.protocol import POLL_S
 
     actors = LaneActors(lambda key: ray.get(actor.lane_handles.remote(key)))

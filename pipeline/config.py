@@ -441,7 +441,7 @@ class ServiceConfig(_Frozen):
     # that is never lost with a data node. None: `resources`, as the lanes.
     control_resources: dict[str, float] | None = None
     # Global steps the server may make ahead of the slowest rank. None: 32, fewer when 32
-    # steps would hold more than 256 MB of token ids, never fewer than 8 (server.py,
+    # steps would hold more than 256 MB of token ids, never fewer than 8 (batch_server.py,
     # prefetch_window). A rank takes up to this many in one call; a mixture change lands at
     # most this many steps after the ranks' position.
     prefetch: int | None = Field(default=None, ge=1, le=4096)

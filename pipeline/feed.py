@@ -44,7 +44,7 @@ from pipeline.state.resume import (
 )
 from pipeline.state.summary import RunSummary, RunTotals, run_totals, summarize
 from pipeline.tokenize.engines import load_tokenizer
-from wire.lanes import rank_meta, rank_rows, runs_of
+from wire.lane_rows import rank_meta, rank_rows, runs_of
 from wire.schema import StepChunk, build_batches, build_chunk, with_metadata
 
 S = TypeVar("S")  # a state as `StepFeed._steps` takes it: a dict, or kept
@@ -351,7 +351,7 @@ def rank_runs(
     batches: list[pa.RecordBatch], rank: int, world_size: int, global_batch_size: int
 ) -> list[tuple[pa.RecordBatch, int]]:
     """Rank `rank`'s rows of consecutive global steps, joined into runs of one schema
-    (wire/lanes.py `runs_of`): what a rank gets in one answer of the batch service."""
+    (wire/lane_rows.py `runs_of`): what a rank gets in one answer of the batch service."""
     parts = []
     for batch in batches:
         rows = rank_rows(batch.num_rows, rank, world_size, global_batch_size)

@@ -46,7 +46,7 @@ from client.records import (
 from client.records import service_file as service_file
 from pipeline.config import REVEAL_SECRETS, Config
 from pipeline.lanes.placing import wait_placed
-from service.server import BatchServer
+from service.batch_server import BatchServer
 from wire.protocol import CONCURRENCY_GROUPS, FAILED, NAMESPACE, SERVICE_NAME, STOPPING
 
 if TYPE_CHECKING:

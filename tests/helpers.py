@@ -86,10 +86,10 @@ def take(srv, rank: int, world: int, step: int, timeout_s: float = 60.0):
 def resolved(srv, reply, rank: int, world: int):
     """A ready answer of batch server `srv` (in this process) with its runs in it: where the
     lanes hold the rows (`lanes` > 1), taken from them as a rank's client does
-    (wire/lanes.py `fetch`, the lanes' actors looked up by key)."""
+    (wire/lane_rows.py `fetch`, the lanes' actors looked up by key)."""
     from dataclasses import replace
 
-    from wire.lanes import LaneActors, fetch_again
+    from wire.lane_rows import LaneActors, fetch_again
 
     if not reply.lanes:
         return reply

@@ -135,7 +135,7 @@ def test_a_relative_tokenizer_path_resolves_next_to_the_config(tmp_path, monkeyp
 def test_the_service_window(tmp_path, seq_len, batch, lanes, service, window):
     """How many steps the batch server may make ahead of the slowest rank (the window a
     rank's answer of up to LOOKAHEAD steps is taken from)."""
-    from service.server import prefetch_window
+    from service.batch_server import prefetch_window
 
     cfg = parse_config(_cfg(tmp_path, seq_len=seq_len, global_batch_size=batch, lanes=lanes,
                             service=service))  # fmt: skip

@@ -56,7 +56,7 @@ def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_clus
     Prometheus, and withdraws the request when it closes."""
     from pipeline.read.resolve import parse_config
     from service.api import prometheus_text
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
     from tests.conftest import stdlib_texts, write_jsonl
 
     write_jsonl(tmp_path / "a.jsonl", stdlib_texts(40, max_bytes=20_000))

@@ -199,7 +199,7 @@ def test_a_lane_holding_chunks_gives_each_rank_the_steps_made_one_by_one(streams
     part (its IPC bytes), receipt and state are that step's."""
     from pipeline.lanes import LaneWorker, served_counts
     from wire.arrays import from_ipc, to_ipc
-    from wire.lanes import lane_parts, runs_of
+    from wire.lane_rows import lane_parts, runs_of
 
     few_chats = {
         "code": streams["code"] | {"weight": 0.9},
@@ -718,10 +718,10 @@ def test_ranks_take_their_rows_from_the_lanes_for_any_world(small, ray_cluster, 
 
     from pipeline.feed import rank_slice
     from pipeline.lanes import LanedStep, in_flight, most_in_flight, steps_per_call
+    from service.batch_server import BatchServer
     from service.prometheus import prometheus_text
-    from service.server import BatchServer
     from wire.arrays import from_ipc
-    from wire.lanes import LaneActors, fetch, split_run
+    from wire.lane_rows import LaneActors, fetch, split_run
     from wire.layout import expand
 
     cfg = config(small, lanes)
@@ -822,9 +822,9 @@ def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
     the lane, instead of hanging or serving a step without that lane's rows."""
     import time
 
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
     from tests.helpers import resolved
-    from wire.lanes import LaneGone
+    from wire.lane_rows import LaneGone
 
     # Read many times over: the lanes cannot have made the whole sequence (16 steps ahead of
     # what is handed out) before the kill, so the producer meets the dead lane (a CI run saw
@@ -858,7 +858,7 @@ def _serve_to_the_end(srv, world: int, kills: dict[int, int], change: tuple | No
     last step."""
     from tests.helpers import resolved
     from wire.arrays import from_ipc, own, to_ipc
-    from wire.lanes import split_run
+    from wire.lane_rows import split_run
 
     out: dict[tuple[int, int], bytes] = {}
     at, ended = [0] * world, [False] * world
@@ -899,7 +899,7 @@ def test_a_lane_killed_under_a_service_starts_again_and_the_ranks_get_the_same_r
     again after the same steps as the dead one was (a lane's state holds the changes
     scheduled ahead of it, so its states differ otherwise, and the lane refuses to serve
     them). Lane 0 dies at step 200, its state holding that change already."""
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
 
     cfg = config({n: s | {"repeat": 40} for n, s in small.items()}, 2).model_dump(mode="json")
     change = (2, {"code": 0.2, "prose": 0.8}, 300)

@@ -61,13 +61,13 @@ def test_the_wire_imports_nothing_above_it(tmp_path):
 
 
 def test_a_rank_loading_the_service_class_imports_no_pipeline():
-    """A rank's `ray.get_actor` loads the BatchServer class, importing service/server.py in
+    """A rank's `ray.get_actor` loads the BatchServer class, importing service/batch_server.py in
     the rank: the pipeline (and pydantic) are imported where the actor uses them, not there."""
     import subprocess
     import sys
 
     code = (
-        "import sys, service.server; "
+        "import sys, service.batch_server; "
         "print(sorted(m for m in ('pipeline.config', 'pipeline.feed', 'pydantic') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

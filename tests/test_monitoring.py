@@ -1,7 +1,7 @@
 """What the service reports about itself, without Ray: `/metrics` (Prometheus types and names),
 `/v1/metrics`' clock, the OpenAPI schema behind `/docs` (the bearer scheme that lets "Try it
 out" send the token), and `/v1/state`'s word on authentication. The batch server is a fake that
-answers with the fields the real one reports (service/server.py)."""
+answers with the fields the real one reports (service/batch_server.py)."""
 
 import re
 import threading

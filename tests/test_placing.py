@@ -76,7 +76,7 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
     while the producer waits for the ranks (a full window) and asks the lanes nothing."""
     import ray
 
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
     from tests.helpers import resolved
     from tests.test_lanes import _kill
 

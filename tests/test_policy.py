@@ -136,7 +136,7 @@ def _serve(srv, first: int, last: int, report=True) -> list[bytes]:
 def test_a_service_follows_the_loss_and_resumes_mid_way_byte_for_byte(tmp_path, ray_cluster, lanes):
     """With lanes too: every lane takes each decision's weights at its step (the lanes are
     asked for no step past a decision before it is made)."""
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
 
     cfg = _config(tmp_path, wait_s=20)  # a resume missing its window's loss fails in 20 s
     spec = cfg.model_dump(mode="json") | {"lanes": lanes}
@@ -171,7 +171,7 @@ def test_a_service_follows_the_loss_and_resumes_mid_way_byte_for_byte(tmp_path, 
 
 @pytest.mark.slow
 def test_a_trainer_that_never_reports_is_told_not_waited_for(tmp_path, ray_cluster):
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
 
     srv = BatchServer(_config(tmp_path, wait_s=3).model_dump(mode="json"), prefetch=8)
     try:
@@ -192,7 +192,7 @@ def test_the_api_state_of_a_step_not_trained_yet_is_a_503_not_a_hang(tmp_path, r
     from fastapi.testclient import TestClient
 
     from service.api import Backend, create_app
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
 
     srv = BatchServer(_config(tmp_path).model_dump(mode="json"), prefetch=8)
     try:
@@ -262,7 +262,7 @@ def test_the_policy_turned_on_at_a_resume_and_a_state_missing_its_loss(tmp_path,
     signal, so the first decision keeps the weights. A policy state whose carried loss is
     incomplete is refused by name."""
     from pipeline.state.resume import StateError, seal
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
 
     cfg = _config(tmp_path)
     plain = cfg.model_copy(update={"mixing": cfg.mixing.model_copy(update={"policy": None})})
@@ -295,7 +295,7 @@ def test_four_ranks_and_api_calls_at_once_get_the_lone_ranks_rows(tmp_path, ray_
     (they follow the reported loss, never who reported first)."""
     import threading
 
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
     from wire.arrays import from_ipc
     from wire.layout import expand
     from wire.protocol import ServiceBusy
@@ -361,7 +361,7 @@ def test_a_trainer_without_a_state_takes_over_mid_window(tmp_path, ray_cluster):
     trainer connects without a state and takes over where the service is: it is counted as
     having reported nothing before its first step, so the policy decides on instead of
     waiting for reports that never come."""
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
 
     srv = BatchServer(_config(tmp_path, wait_s=5).model_dump(mode="json"), prefetch=3)
     try:

@@ -16,8 +16,8 @@ from pipeline.inspect.provenance import documents_of, trace
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import load_config
 from service.api import Backend, create_app
+from service.batch_server import BatchServer
 from service.export import run_export
-from service.server import BatchServer
 from tests.conftest import stdlib_texts, write_jsonl
 
 TOKEN = "pr0v-token"

@@ -204,7 +204,7 @@ def test_a_service_resumed_leaving_documents_out_serves_none_of_them(corpus, ray
     """`serve --resume STATE --skip-steps`: the batch server starts from the state with the
     documents left out; no step it serves holds one, its provenance (recomputed from a kept
     state too) agrees, and /v1/metrics says what was left out and why."""
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
 
     cfg = config(corpus, "bfd")
     whole, _ = _run(cfg, state_every=1)
@@ -247,7 +247,7 @@ def test_a_running_service_leaves_documents_out_through_the_api(
     from fastapi.testclient import TestClient
 
     from service.api import Backend, create_app
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
     from wire.arrays import from_ipc
     from wire.layout import expand
 
@@ -299,7 +299,7 @@ def test_a_live_skip_while_four_ranks_pull_and_the_api_reads(corpus, ray_cluster
     run's before the effective step and a lone resume's (leaving the documents out) from it."""
     import threading
 
-    from service.server import BatchServer
+    from service.batch_server import BatchServer
     from wire.arrays import from_ipc
     from wire.layout import expand
 

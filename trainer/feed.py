@@ -199,7 +199,7 @@ class Feed:
         self._beating = threading.Event()  # set: the beat thread stops
         self._beater: threading.Thread | None = None
         self._beat_s = 5.0
-        self._lanes: Any = None  # lane actors by their feed's key (wire/lanes.py LaneActors)
+        self._lanes: Any = None  # lane actors by their feed's key (wire/lane_rows.py LaneActors)
         # Told the end: later `next` calls stop here, without asking a service that may have
         # gone (HF's Trainer iterates again after the end); the state after the last step is
         # kept for a final checkpoint.
@@ -361,7 +361,7 @@ class Feed:
                       file=sys.stderr, flush=True)  # fmt: skip
         if not reply.lanes:
             return list(reply.runs)
-        from wire.lanes import LaneActors, LaneGone, fetch_again
+        from wire.lane_rows import LaneActors, LaneGone, fetch_again
 
         if self._lanes is None:  # the lane actors, asked of the server once per sequence
             self._lanes = LaneActors(

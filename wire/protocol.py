@@ -60,7 +60,7 @@ CONCURRENCY_GROUPS = {CONSUMER_GROUP: 256, CONTROL_GROUP: 16, BEAT_GROUP: 4, REP
 BEAT_S = 5.0
 POLL_S = 2.0
 # A rank asks for up to this many steps per call (trainer.feed.Feed); it gets at most the
-# server's window (service.server.prefetch_window). A rank's cost, and the server's, is mostly
+# server's window (service.batch_server.prefetch_window). A rank's cost, and the server's, is mostly
 # per call: 32 steps cost ~1/3 of 8 per step (bench/serve_ranks.py).
 LOOKAHEAD = 64
 # The window's default length when the server holds the steps' rows (lanes: 1). When the
@@ -129,7 +129,7 @@ class StepReply:
     reason: str = ""
     # With `lanes` K > 1 the rows stay in the lanes that made them, and `ready` says where
     # instead: [(lanes' key, lane, [(step, first row, end row), ...]), ...], in the order a
-    # rank joins them; `runs` is empty and `counts` is [steps] (wire/lanes.py `fetch`; the
+    # rank joins them; `runs` is empty and `counts` is [steps] (wire/lane_rows.py `fetch`; the
     # key's actors come from the server's `lane_handles`, once).
     lanes: list[Any] = field(default_factory=list)
 

@@ -52,7 +52,7 @@ from pipeline.state.resume import (
 )
 from pipeline.state.summary import RunSummary, RunTotals, totals_of
 from wire.arrays import from_ipc
-from wire.lanes import TAKE_GROUP, TAKE_THREADS, join_parts
+from wire.lane_rows import TAKE_GROUP, TAKE_THREADS, join_parts
 
 
 class _Chunk:
@@ -491,7 +491,7 @@ class LanedFeed:
         return join_parts(parts)
 
     def check_lane(self, k: int, timeout_s: float = 10.0) -> None:
-        """A rank met lane k's actor dead (wire/lanes.py LaneGone): restarted here if it is
+        """A rank met lane k's actor dead (wire/lane_rows.py LaneGone): restarted here if it is
         (the producer may be waiting for room, not for the lane, and not meet it)."""
         import ray
 

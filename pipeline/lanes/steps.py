@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from wire.arrays import from_ipc, view
-from wire.lanes import TAKE_GROUP, join_parts, lane_parts
+from wire.lane_rows import TAKE_GROUP, join_parts, lane_parts
 from wire.layout import step_path
 
 PENDING = ".lane"  # a step file a lane wrote, until the export takes its step
@@ -105,7 +105,7 @@ class LaneMade:
 class LanedStep:
     """A global step whose rows the lanes hold (the batch server's window holds this, not the
     rows): its number, the lane actors, and how many rows each made. Ranks take their rows
-    from the lanes (wire/lanes.py `fetch`); `whole` joins them all (provenance, skips)."""
+    from the lanes (wire/lane_rows.py `fetch`); `whole` joins them all (provenance, skips)."""
 
     step: int
     lanes: list  # the feed's `handles`: a restarted lane's actor replaces its entry

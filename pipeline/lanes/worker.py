@@ -28,7 +28,7 @@ from pipeline.stages.documents import Reject
 from pipeline.state.resume import Kept
 from pipeline.state.summary import RunSummary
 from wire.arrays import own, to_ipc
-from wire.lanes import lane_parts, rank_meta
+from wire.lane_rows import lane_parts, rank_meta
 from wire.layout import compact, write_step
 from wire.protocol import META_RANK, META_STEP_ROWS, META_WORLD_SIZE
 from wire.schema import StepChunk
@@ -166,7 +166,7 @@ class LaneWorker:
     def take(self, parts: list[tuple[int, int, int]], rank: int, world_size: int
              ) -> list[tuple[bytes, int]]:  # fmt: skip
         """Rows [lo, hi) of this lane's part of each (step, lo, hi), for rank `rank` of
-        `world_size`: runs of one schema (wire/lanes.py `runs_of`'s runs), as Arrow IPC.
+        `world_size`: runs of one schema (wire/lane_rows.py `runs_of`'s runs), as Arrow IPC.
         Consecutive steps' rows that lie together in one chunk are one slice, sent as it is
         (a run's IPC padding may hold bytes of the rows after it: the rank reads the same
         data). Runs on the `serve` threads, beside the thread that makes steps."""

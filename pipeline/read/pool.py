@@ -159,7 +159,7 @@ def _size(size: int | None) -> int:
 def pool_is_warm(size: int | None) -> bool:
     """Whether every actor of a pool of `size` is up (an earlier export's or service's, of
     this code): then it makes a feed's first units from the start, its imports done, with no
-    head start in the feed's process (service/server.py). Ray must be connected."""
+    head start in the feed's process (service/batch_server.py). Ray must be connected."""
     import ray
 
     for i in range(_size(size)):

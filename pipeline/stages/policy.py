@@ -38,7 +38,7 @@ import numpy as np
 
 from pipeline.config import PolicyConfig
 
-# The key of the state the service hands out (service/server.py `state`) under which the
+# The key of the state the service hands out (service/batch_server.py `state`) under which the
 # window losses a resume still needs travel: {"<step>": {stream: [loss sum, tokens]}}.
 LOSSES = "policy_losses"
 SOURCE = "policy"  # the mixture history's source of the weights the policy chose

@@ -538,7 +538,7 @@ class BatchServer:
             for feed in (self.feed, *(f for _, f in self._retired)):
                 if feed.key is not None and feed.key == key:
                     return list(feed.handles)  # type: ignore[attr-defined]  # as they are now
-        from wire.lanes import LaneGone
+        from wire.lane_rows import LaneGone
 
         raise LaneGone(
             f"the lanes named {key} are gone: a skip replaced them and they were closed once "
@@ -547,7 +547,7 @@ class BatchServer:
         )
 
     def lane_gone(self, key: str, lane: int) -> list:
-        """A rank met lane `lane` of the lanes named `key` gone (wire/lanes.py LaneGone): the
+        """A rank met lane `lane` of the lanes named `key` gone (wire/lane_rows.py LaneGone): the
         running feed starts it again if its process died and it has restarts left
         (`service.lane_restarts`), and the rank gets the lanes' actors as they are now."""
         feed = self.feed
