@@ -3,7 +3,7 @@
     python -m bench.verify_cost [--sizes 10000,100000,300000,1200000] [--repeats 3]
 
 `auto` encodes with the fast engine and checks a sample of every batch (`verify_fraction`,
-1% of the characters by default) against the HF tokenizer (pipeline/tokenize/engines.py
+1% of the characters by default) against the HF tokenizer (pipeline/tokenize/encoders.py
 `verify_sample`). This bench cuts the demo corpus's code.jsonl into documents of each size
 and encodes them as a read does (`reading._encode_pretrain`: batches of ~1 MiB, each checked),
 against the fast engine alone on the same documents, in the same process: the ratio is the

@@ -17,21 +17,23 @@ from pipeline.config import TokenizerConfig
 from pipeline.read.reading import Unit, tokenize_unit
 from pipeline.read.resolve import parse_config
 from pipeline.read.sources import plan_pieces
-from pipeline.tokenize.engines import (
+from pipeline.tokenize.encoders import (
     BACKEND_FAST,
     BACKEND_FASTOKENS,
-    BACKEND_HF,
-    BACKEND_HF_FALLBACK,
     CL100K_TIKTOKEN_PATTERN,
     FAST_PROBE,
     VERIFY_MIN_CHARS,
+    FastokensEncoder,
+    bpe_form,
+    probe_fast,
+    tiktoken_engine,
+)
+from pipeline.tokenize.engines import (
+    BACKEND_HF,
+    BACKEND_HF_FALLBACK,
     FastBackendError,
     FastEncoder,
-    FastokensEncoder,
     LoadedTokenizer,
-    _bpe_form,
-    _probe_fast,
-    _tiktoken_engine,
     load_tokenizer,
     verify_sample,
 )
@@ -163,17 +165,16 @@ def test_each_fast_engine_can_be_named_and_is_exact(engine):
 def test_auto_takes_the_next_engine_when_one_fails_its_probe(monkeypatch):
     """Under auto, a fastokens engine whose split differs gives way to tiktoken; under
     `backend: fastokens` the same engine is an error, naming the text."""
-    import pipeline.tokenize.engines as tokenization
+    import pipeline.tokenize.encoders as encoders
+    import pipeline.tokenize.engines as engines
 
-    monkeypatch.setattr(tokenization, "_fastokens_engine", lambda form: _wrong_engine("fastokens"))
-    monkeypatch.setattr(tokenization, "_preload_fastokens", lambda cfg: None)
+    monkeypatch.setattr(encoders, "fastokens_engine", lambda form: _wrong_engine("fastokens"))
+    monkeypatch.setattr(engines, "preload_fastokens", lambda cfg: None)
     monkeypatch.setitem(
-        tokenization.ENGINES,
-        "auto",
-        (tokenization._fastokens_engine, tokenization._tiktoken_engine),
+        encoders.ENGINES, "auto", (encoders.fastokens_engine, encoders.tiktoken_engine)
     )
-    monkeypatch.setitem(tokenization.ENGINES, "fastokens", (tokenization._fastokens_engine,))
-    monkeypatch.setattr(tokenization, "_CACHE", {})
+    monkeypatch.setitem(encoders.ENGINES, "fastokens", (encoders.fastokens_engine,))
+    monkeypatch.setattr(engines, "_CACHE", {})
     tok = load_tokenizer(TokenizerConfig())
     assert tok.fast is not None and tok.fast.name == "tiktoken"
     with pytest.raises(FastBackendError, match="backend fastokens: not exact .* differs on '0010"):
@@ -339,9 +340,9 @@ def mini(tmp_path, monkeypatch):
 
 def _fast_for(tok: LoadedTokenizer) -> FastEncoder:
     """tiktoken over the ranks of `tok`'s own tokenizer.json: what the fast backend would say."""
-    form = _bpe_form(json.loads(Path(tok.name).read_text()), default=False)
+    form = bpe_form(json.loads(Path(tok.name).read_text()), default=False)
     assert form is not None, f"{tok.name}: no byte-level BPE form"
-    return _tiktoken_engine(form)
+    return tiktoken_engine(form)
 
 
 def _swap_with_last(pair):
@@ -420,7 +421,7 @@ def test_the_load_probe_alone_would_have_missed_a_swapped_merge(mini):
     """Why prove: with two merges swapped, HF differs on 'collections', yet the probe texts
     pass; before the proofs, only a per-batch sample that happened to hold it could tell."""
     tok = mini(BROKEN["merge_order_swapped"][0], backend="hf")
-    assert _probe_fast(tok.tokenizer, _fast_for(tok)) is None
+    assert probe_fast(tok.tokenizer, _fast_for(tok)) is None
 
 
 # Edits that look like breakage but provably change nothing.

@@ -14,12 +14,8 @@ from pipeline.read.reading import iter_blocks_local, tokenize_unit_json
 from pipeline.read.resolve import parse_config
 from pipeline.stages.documents import BadRecordError
 from pipeline.state.resume import StateError, check_state
-from pipeline.tokenize.engines import (
-    BACKEND_HF_SPLIT,
-    CL100K_TIKTOKEN_PATTERN,
-    FAST_PROBE,
-    load_tokenizer,
-)
+from pipeline.tokenize.encoders import CL100K_TIKTOKEN_PATTERN, FAST_PROBE
+from pipeline.tokenize.engines import BACKEND_HF_SPLIT, load_tokenizer
 from pipeline.tokenize.files import CL100K_HF_PATTERN
 from pipeline.tokenize.proofs import class_atoms, split_exceptions
 from service.export import run_export

@@ -13,7 +13,7 @@ Output block schema (one row per record, in record order):
     tokens  list<int32>     BOS/EOS applied; empty for a bad record
     loss    list<int8>      per-token loss mask (chat streams only; null for pretrain)
     error   string          null for a good record, else the reason it is bad
-    backend int8            which tokenizer backend encoded the row (engines.BACKEND_*)
+    backend int8            which tokenizer backend encoded the row (encoders.BACKEND_*)
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from pipeline.read import formats
 from pipeline.read.access import WHOLE_FILE, Access, Piece
 from pipeline.read.sources import read_piece
 from pipeline.tokenize.chat import ChatEncoder, lone_surrogate, validate_messages
-from pipeline.tokenize.engines import BACKEND_NONE, LoadedTokenizer, load_tokenizer
+from pipeline.tokenize.encoders import BACKEND_NONE
+from pipeline.tokenize.engines import LoadedTokenizer, load_tokenizer
 from wire.arrays import numeric, strings
 
 BLOCK_SCHEMA = pa.schema(

@@ -31,7 +31,7 @@ from pipeline.read.reading import Executor, Unit, group_units
 from pipeline.read.sources import data_files, plan_pieces
 from pipeline.stages.shuffle import Interleave, PieceRows, by_piece, file_order, piece_order
 from pipeline.stages.stage import Doc, StateError
-from pipeline.tokenize.engines import BACKEND_NAMES
+from pipeline.tokenize.encoders import BACKEND_NAMES
 from wire.arrays import valid, view
 
 
@@ -98,7 +98,7 @@ class StreamCounters:
     skipped: int = 0
     epochs_started: int = 0
     capped: bool = False
-    # tokens read per tokenizer backend (engines.BACKEND_NAMES); this run only, not state
+    # tokens read per tokenizer backend (encoders.BACKEND_NAMES); this run only, not state
     backend_tokens: list[int] = field(default_factory=lambda: [0] * len(BACKEND_NAMES))
     lengths: list[int] = field(default_factory=list, repr=False)  # sampled doc lengths
 

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from pipeline.tokenize.engines import BACKEND_NAMES, load_tokenizer
+from pipeline.tokenize.encoders import BACKEND_NAMES
+from pipeline.tokenize.engines import load_tokenizer
 
 GAUGE = "gauge"  # field metadata: the help text of the field's Prometheus gauge
 

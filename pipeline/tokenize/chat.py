@@ -21,12 +21,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from pipeline.tokenize.engines import (
-    BACKEND_FAST,
-    BACKEND_FASTOKENS,
-    failure_reason,
-    tokenizer_failure,
-)
+from pipeline.tokenize.encoders import BACKEND_FAST, BACKEND_FASTOKENS
+from pipeline.tokenize.engines import failure_reason, tokenizer_failure
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 _SENTINEL = "\x1ftokenmill-content-{}\x1f"
@@ -161,7 +157,7 @@ class ChatEncoder:
     def encode_with_backend(
         self, conversations: list[list[dict]]
     ) -> tuple[list[tuple[np.ndarray, np.ndarray] | str], list[int]]:
-        """`encode`, and per conversation the backend (engines.BACKEND_*) that encoded
+        """`encode`, and per conversation the backend (encoders.BACKEND_*) that encoded
         its contents: a fast engine's code, else the code of a content HF encoded.
 
         A conversation the tokenizer fails on (a content of 10 MB of spaces, a Rust panic)
