@@ -14,7 +14,7 @@ import zlib
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.inspect.stats import length_stats, scan
+from pipeline.inspect.stats import count_corpus, sample_lengths
 from pipeline.read.formats.jsonl import jsonl_pieces as _jsonl_pieces
 from pipeline.read.formats.mds import list_mds_shards
 from pipeline.read.resolve import parse_config
@@ -22,6 +22,13 @@ from pipeline.read.sources import read_piece
 from tests.test_hostile import _run
 
 GOOD = "good record number {}"
+
+
+def check_rejects(cfg) -> list:
+    """The bad records `tokenmill check` lists (its one pass, `count_corpus`), in read order."""
+    got: list = []
+    count_corpus(cfg, got.append)
+    return got
 
 
 def _cfg(paths, on_error="skip", stream=None, **extra):
@@ -74,12 +81,12 @@ def test_lone_surrogate_is_a_named_reject_with_every_backend(tmp_path, tokenizer
 def test_check_and_stats_agree_on_lone_surrogates(tmp_path):
     _surrogate_jsonl(tmp_path / "s.jsonl")
     cfg = _cfg([str(tmp_path / "s.jsonl")])
-    assert [(r.record, r.reason) for r in scan(cfg)] == [
+    assert [(r.record, r.reason) for r in check_rejects(cfg)] == [
         (1, "text has a lone surrogate (U+D800) at character 2"),
         (3, "text has a lone surrogate (U+DC00) at character 0"),
     ]
-    stats = length_stats(cfg)["h"]
-    assert stats["docs"] == 3 and stats["skipped_while_sampling"] == 2
+    lengths, skipped = sample_lengths(cfg)["h"]
+    assert len(lengths) == 3 and skipped == 2
 
 
 def test_check_and_stats_cli_on_lone_surrogates(tmp_path):
@@ -165,7 +172,7 @@ def test_corrupt_gzip_member_keeps_the_records_before_it(tmp_path):
     )
     damaged = second[:20] + bytes(b ^ 0xFF for b in second[20:40]) + second[40:]
     (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(first) + damaged)
-    got = list(scan(_cfg([str(tmp_path / "c.jsonl.gz")])))
+    got = list(check_rejects(_cfg([str(tmp_path / "c.jsonl.gz")])))
     assert [(r.record, r.reason.split(" (")[0]) for r in got] == [
         (5, "damaged input after 75 bytes")  # the 5 records of the intact first member kept
     ]
@@ -211,7 +218,7 @@ def test_cap_applies_to_plain_jsonl_pieces_and_text_files(tmp_path):
     (tmp_path / "t" / "a.txt").write_text("small")
     (tmp_path / "t" / "b.txt").write_text("q" * 5000)
     cfg = _cfg([str(tmp_path / "t")], read={"max_record_bytes": 4096})
-    assert [(r.file.rsplit("/", 1)[-1], r.reason) for r in scan(cfg)] == [
+    assert [(r.file.rsplit("/", 1)[-1], r.reason) for r in check_rejects(cfg)] == [
         ("b.txt", "file is longer than read.max_record_bytes (4096)")
     ]
 
@@ -373,7 +380,9 @@ def test_truncated_arrow_ipc_keeps_every_complete_batch(
         "truncated or corrupt Arrow IPC: 3 complete record batches (60 rows) were read, then "
         "the batch after them is damaged"
     ), r.reason
-    assert [(x.record, x.reason) for x in scan(_cfg([str(path)], **read))] == [(complete, r.reason)]
+    assert [(x.record, x.reason) for x in check_rejects(_cfg([str(path)], **read))] == [
+        (complete, r.reason)
+    ]
 
 
 def test_arrow_file_without_its_footer_keeps_every_batch_and_says_so(tmp_path, tokenizer):

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from pipeline.inspect.stats import length_stats, mixture_seq_len
+from pipeline.inspect.stats import mixture_seq_len, sample_lengths
 from pipeline.read.resolve import parse_config
 from pipeline.state.summary import describe_lengths
 from tests.conftest import write_jsonl
@@ -19,15 +19,15 @@ def test_describe_lengths_golden():
     assert sum(d["histogram"]["counts"]) == 100
 
 
-def test_length_stats_tokenizes_real_records(tmp_path, tokenizer):
+def test_sample_lengths_tokenizes_real_records(tmp_path, tokenizer):
     texts = ["word " * n for n in (5, 50, 500)]
     write_jsonl(tmp_path / "d.jsonl", texts)
     cfg = parse_config({"streams": {"s": {"paths": [str(tmp_path / "d.jsonl")]}}})
-    st = length_stats(cfg, docs=10)["s"]
+    lengths, skipped = sample_lengths(cfg, docs=10)["s"]
     want = sorted(
         len(tokenizer.tokenizer.encode(t, add_special_tokens=False).ids) + 1 for t in texts
     )
-    assert st["docs"] == 3 and st["min"] == want[0] and st["max"] == want[-1]
+    assert sorted(lengths.tolist()) == want and skipped == 0
 
 
 def test_stats_cli_prints_histogram_and_recommendation(tmp_path):

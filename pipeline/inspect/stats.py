@@ -1,26 +1,23 @@
 """`tokenmill stats` and `tokenmill check`: look at the sources before a run.
 
 `sample_lengths` tokenizes the first N documents of each stream (in-process, same code path as
-the workers), `length_stats` summarizes them per stream, and `mixture_seq_len` turns them into
-one seq_len for the whole mixture at its configured weights. `count_corpus` reads and
-tokenizes every record once, and `supply` says how many steps that makes at the configured
-weights. `scan` reads every record of every stream and lists the bad ones, without tokenizing.
+the workers), and `mixture_seq_len` turns them into one seq_len for the whole mixture at its
+configured weights. `count_corpus` reads and tokenizes every record once (the bad ones go to
+a callback), and `supply` says how many steps that makes at the configured weights.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.config import Config
-from pipeline.read.access import WHOLE_FILE
-from pipeline.read.reading import Unit, iter_blocks_local, iter_records
+from pipeline.read.reading import iter_blocks_local
 from pipeline.stages.documents import DocSource, Reject
 from pipeline.stages.shuffle import WindowShuffle
-from pipeline.state.summary import describe_lengths
 
 # The mixture's seq_len holds this share of its documents whole (`tokenmill stats --fit`).
 FIT = 0.99
@@ -40,13 +37,6 @@ def sample_lengths(cfg: Config, docs: int = 2000) -> dict[str, tuple[np.ndarray,
                 break
         out[name] = (np.array(lengths, dtype=np.int64), sd.counters.skipped)
     return out
-
-
-def length_stats(cfg: Config, docs: int = 2000) -> dict:
-    return {
-        name: describe_lengths(lengths) | {"skipped_while_sampling": skipped}
-        for name, (lengths, skipped) in sample_lengths(cfg, docs).items()
-    }
 
 
 def cut_share(lengths: np.ndarray, seq_len: int) -> float:
@@ -223,33 +213,3 @@ def text_histogram(hist: dict, width: int = 40) -> list[str]:
         f"{edges[i]:>8}-{edges[i + 1] - 1:<8} {'#' * round(width * c / peak):<{width}} {c}"
         for i, c in enumerate(counts)
     ]
-
-
-def scan(cfg: Config, vocab: int | None = None) -> Iterator[Reject]:
-    """Every bad record of every stream, in file order.
-
-    With `vocab` (the tokenizer's vocabulary size), token-id documents (`tokens_field`,
-    exports) are also checked against it, as the export's tokenizing step does."""
-    for i, name in enumerate(cfg.streams):
-        sd = DocSource(name, i, cfg, iter_blocks_local)
-        files = sd.files
-        for per_file in sd.pieces():
-            for doc_id, value, err in iter_records(Unit(0, tuple(per_file)), sd.stream):
-                if err is None and vocab is not None:
-                    err = _outside_vocab(value, vocab)
-                if err is not None:
-                    rec = doc_id & 0xFFFFFFFF
-                    where = None if rec == WHOLE_FILE else rec
-                    yield Reject(name, files[doc_id >> 32], where, err)
-
-
-def _outside_vocab(value, vocab: int) -> str | None:
-    """The reject reason of a token-id document with an id the tokenizer does not have."""
-    if not isinstance(value, tuple) or not isinstance(value[0], np.ndarray) or not value[0].size:
-        return None  # text (or a chat record): the tokenizer makes its ids
-    top = int(value[0].max())
-    return (
-        f"token id {top} is outside the tokenizer's vocabulary (size {vocab})"
-        if top >= vocab
-        else None
-    )
