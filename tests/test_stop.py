@@ -60,8 +60,11 @@ def test_stop_drains_and_never_kills_the_trainers(tmp_path, now):
         while not record.exists():
             assert time.time() < deadline and serve.poll() is None, log.read_text()[-2000:]
             time.sleep(0.05)
-        if not now:  # `status` launched with serve waits for it too (its record is claimed)
-            st = subprocess.run([sys.executable, "-m", "service", "status", "--name", name],
+        # `status` launched with serve waits for it too (its record is claimed); its Ray can
+        # take over the default 30 s on a busy machine, so the wait here is longer.
+        if not now:
+            st = subprocess.run([sys.executable, "-m", "service", "status", "--name", name,
+                                 "--wait", "150"],
                                 env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
             assert st.returncode == 0 and f"service   {name}" in st.stdout, st.stdout + st.stderr
         outs = [tmp_path / f"rank{r}.json" for r in range(2)]
