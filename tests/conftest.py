@@ -36,6 +36,43 @@ for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKEN
     os.environ.pop(_key, None)
 atexit.register(shutil.rmtree, ISOLATED, ignore_errors=True)
 
+
+def warm_cache() -> Path:
+    """This test process's TOKENMILL_CACHE, with the default tokenizer's built files in it
+    (cl100k converted to tokenizer.json, the fast engine's proofs). A cold cache costs every
+    process that loads the tokenizer ~15 CPU-s (measured: 3 s importing transformers'
+    converter, 3 s converting, 9 s of proofs), and the processes a test starts together
+    (a serve, its lanes, an export) each pay it: on two cores, a large share of the slow
+    tier. What a cold cache does is tested where it is the subject
+    (test_tokenizer_loading.py, test_chat.py)."""
+    src = ISOLATED / "cache"
+    if not any(src.glob("cl100k_base-*/tokenizer.json")) or not (src / "fast_proofs").is_dir():
+        from pipeline.config import TokenizerConfig
+        from pipeline.tokenize.engines import load_tokenizer
+
+        before = os.environ.get("TOKENMILL_CACHE")
+        os.environ["TOKENMILL_CACHE"] = str(src)
+        try:
+            load_tokenizer(TokenizerConfig())
+        finally:
+            if before is None:
+                os.environ.pop("TOKENMILL_CACHE", None)
+            else:
+                os.environ["TOKENMILL_CACHE"] = before
+    return src
+
+
+def fresh_cache(path: Path) -> Path:
+    """A new TOKENMILL_CACHE at `path` for a test's own processes: no service record in it,
+    the tokenizer's built files copied from `warm_cache()`."""
+    src = warm_cache()
+    path.mkdir(parents=True, exist_ok=True)
+    for entry in src.iterdir():
+        if entry.name != "services" and entry.is_dir():
+            shutil.copytree(entry, path / entry.name, dirs_exist_ok=True)
+    return path
+
+
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
@@ -101,6 +138,7 @@ def ray_cluster():
 
     from client.cluster import connect
 
+    warm_cache()  # before the cluster's workers, which inherit this process's cache, load it
     # TEST_SLOTS of a custom resource, for the tests that place actors by resources.
     started = connect(object_store_memory=256 << 20, num_cpus=2,
                       resources={"tokenmill_test_slot": TEST_SLOTS})  # fmt: skip

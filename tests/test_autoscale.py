@@ -13,11 +13,12 @@ import pytest
 import yaml
 
 from tests import hosts as hostlib
-from tests.conftest import stdlib_texts, write_jsonl
+from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
 
 pytestmark = pytest.mark.slow
 API_PORT = 8000
 STEP_S = 0.1  # the rank's own step (a GPU's), after each batch
+AFTER_S = 8  # the rank's wait printed over this long, before the request and at the end
 
 # One rank: takes batches, reports each wait (as the adapters do), spends STEP_S on each,
 # logs (time, wait) a line a step, until the file `stop` exists.
@@ -38,17 +39,39 @@ with open(log, "w") as out:
 feed.close()
 """
 
-# On the head host: the service's status and Prometheus text, and the pool's actors.
-LOOK = r"""
-import json, sys, urllib.request
+# On the head host, one process: polls the service's status (HTTP) until the autoscaler's
+# node is up (3 nodes, a change made), then Ray until the pool has an actor on each data node;
+# prints the status, the Prometheus text and the pool. One Python with Ray imported for the
+# whole wait, not one a poll (each costs ~2 CPU-s: it was a large share of this test).
+WATCH = r"""
+import json, sys, time, urllib.request
 import ray
 from client.cluster import connect
-base = sys.argv[1]
-st = json.loads(urllib.request.urlopen(base + "/v1/status", timeout=10).read())
+base, address, deadline = sys.argv[1], sys.argv[2], time.time() + float(sys.argv[3])
+def status():
+    try:
+        return json.loads(urllib.request.urlopen(base + "/v1/status", timeout=10).read())
+    except OSError:
+        return None
+while True:
+    st = status()
+    scale = (st or {}).get("autoscale") or {}
+    if scale.get("changes") and (scale.get("cluster") or {}).get("nodes") == 3:
+        break
+    if time.time() > deadline:
+        sys.exit(f"no node added: {scale}")
+    time.sleep(1)
+connect(address)
+while True:
+    pool = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("tokenmill-tokenize")]
+    if len(pool) == 2:
+        break
+    if time.time() > deadline:
+        sys.exit(f"the pool did not grow onto the new node: {pool}")
+    time.sleep(1)
+st = status()
 prom = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-connect(sys.argv[2])
-pool = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["name"].startswith("tokenmill-tokenize")]
 print(json.dumps({"autoscale": st["autoscale"], "prom": prom, "pool": pool}))
 """
 
@@ -77,7 +100,7 @@ def test_a_waiting_rank_makes_the_autoscaler_add_a_node_that_the_pool_grows_onto
         head = hosts["head"]
         address = f"{head.ip}:{hostlib.GCS_PORT}"
         base = f"http://{head.ip}:{API_PORT}"
-        env = hosts.env | {"TOKENMILL_CACHE": str(tmp_path / "cache")}
+        env = hosts.env | {"TOKENMILL_CACHE": str(fresh_cache(tmp_path / "cache"))}
         head.run([sys.executable, "-m", "service", "serve", "--config", str(tmp_path / "c.yaml"),
                   "--address", address, "--host", head.ip, "--port", str(API_PORT),
                   "--name", "grow"], logs / "serve.log", env=env, cwd=tmp_path)  # fmt: skip
@@ -85,27 +108,13 @@ def test_a_waiting_rank_makes_the_autoscaler_add_a_node_that_the_pool_grows_onto
         rank = head.run([sys.executable, "-c", RANK, address, str(rank_log), str(stop),
                          str(STEP_S)], logs / "rank.log", env=env, cwd=tmp_path)  # fmt: skip
 
-        def look() -> dict:
-            r = hosts.python("head", LOOK, base, address, env=env, timeout=60)
-            assert r.returncode == 0, r.stderr[-3000:] + hosts.tails()
-            return json.loads(r.stdout.strip().splitlines()[-1])
-
-        deadline = time.time() + 240
-        seen = None
-        while True:  # the service asks, and the autoscaler's node comes up
-            assert rank.poll() is None, hosts.tails(4000)
-            time.sleep(2)
-            if not (tmp_path / "rank.jsonl").exists():
-                continue
-            seen = look()
-            scale = seen["autoscale"]
-            if scale["changes"] and scale["cluster"]["nodes"] == 3 and len(seen["pool"]) == 2:
-                break
-            assert time.time() < deadline, (
-                f"no node added and grown onto: {scale}\n" + hosts.tails()
-            )
+        r = hosts.python("head", WATCH, base, address, "240", env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:] + hosts.tails()
+        assert rank.poll() is None, hosts.tails(4000)
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+        scale = seen["autoscale"]
         asked_at = scale["changes"][0]["t"]
-        time.sleep(20)  # the rank with the pool on both data nodes
+        time.sleep(AFTER_S)  # the rank with the pool on both data nodes
         stop.touch()
         rank.wait(timeout=120)
         assert rank.returncode == 0, hosts.tails(4000)
@@ -117,6 +126,9 @@ def test_a_waiting_rank_makes_the_autoscaler_add_a_node_that_the_pool_grows_onto
     assert "tokenmill_autoscale_requested_cpus 2.0" in seen["prom"]
     lines = [json.loads(x) for x in rank_log.read_text().splitlines()]
     end = lines[-1][0]
-    before = _wait_share(lines, asked_at - 20, asked_at)
-    after = _wait_share(lines, end - 20, end)
-    print(f"rank's wait: {before:.0%} of the 20 s before the request, {after:.0%} of the last 20 s")
+    before = _wait_share(lines, asked_at - AFTER_S, asked_at)
+    after = _wait_share(lines, end - AFTER_S, end)
+    print(
+        f"rank's wait: {before:.0%} of the {AFTER_S} s before the request, "
+        f"{after:.0%} of the last {AFTER_S} s"
+    )

@@ -75,7 +75,7 @@ def test_wrong_or_missing_token_is_one_clear_line_within_10s(foreign, config, tm
     assert "refused our auth token" in wrong.stderr and "RAY_AUTH_TOKEN" in wrong.stderr
     home = tmp_path / "home"  # no ~/.ray/auth_token, no RAY_AUTH_TOKEN*
     env = {k: v for k, v in foreign["env"].items() if not k.startswith("RAY_")}
-    env |= {"HOME": str(home), "TOKENMILL_CACHE": str(Path.home() / ".cache" / "tokenmill")}
+    env |= {"HOME": str(home), "TOKENMILL_CACHE": os.environ["TOKENMILL_CACHE"]}
     missing = tokenmill("export", "--config", str(config), "--out", str(tmp_path / "o2"),
                         "--steps", "1", "--address", foreign["gcs"], env=env)  # fmt: skip
     assert missing.returncode != 0 and missing.elapsed < 10, missing.stderr[-2000:]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests import hosts as hostlib
+from tests.conftest import fresh_cache
 from tests.test_nodes import RANKS, STEPS, assert_rows_are_the_export, lost_node_config
 
 pytestmark = pytest.mark.slow
@@ -72,7 +73,7 @@ def test_ranks_on_a_trainer_host_pull_from_lanes_on_data_hosts_and_survive_a_los
         head, trainer = hosts["head"], hosts["trainer"]
         address = f"{head.ip}:{hostlib.GCS_PORT}"
         # The service's records and cache on the head; the trainer host has none of them.
-        serve_env = hosts.env | {"TOKENMILL_CACHE": str(tmp_path / "head-cache"),
+        serve_env = hosts.env | {"TOKENMILL_CACHE": str(fresh_cache(tmp_path / "head-cache")),
                                  "TOKENMILL_API_TOKEN": API_TOKEN}  # fmt: skip
         trainer_env = hosts.env | {"TOKENMILL_CACHE": str(tmp_path / "trainer-cache")}
         head.run([sys.executable, "-m", "service", "serve", "--config", str(tmp_path / "c.yaml"),

@@ -17,7 +17,7 @@ import yaml
 
 from pipeline.read.resolve import parse_config
 from service.serve import start_server
-from tests.conftest import stdlib_texts, write_jsonl
+from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
 from tests.rayhead import free_port, wait_http
 from trainer.feed import Feed
 
@@ -190,7 +190,10 @@ def test_serve_outlives_its_ranks_at_the_end_of_the_data(ray_cluster, tmp_path):
     waits for it and then exits 0 by itself."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(make_cfg(tmp_path, docs=10, repeat=1)))
-    env = os.environ | {"TOKENMILL_CACHE": str(tmp_path / "cache"), "TOKENMILL_API_TOKEN": "t"}
+    env = os.environ | {
+        "TOKENMILL_CACHE": str(fresh_cache(tmp_path / "cache")),
+        "TOKENMILL_API_TOKEN": "t",
+    }
     for key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS"):
         env.pop(key, None)
     name, port = f"own{os.getpid()}", free_port()

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pipeline.read.resolve import parse_config
-from tests.conftest import stdlib_texts, write_jsonl
+from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
 from tests.nodes import nodes
 from tests.rayhead import serve_process
 from tests.test_ranks import exported
@@ -109,7 +109,10 @@ def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in UNSET}
     token = tmp_path / "token"  # the clients hold a token; the cluster asks none
     token.write_text("a" * 64)
-    env |= {"TOKENMILL_CACHE": str(tmp_path / "cache"), "RAY_AUTH_TOKEN_PATH": str(token)}
+    env |= {
+        "TOKENMILL_CACHE": str(fresh_cache(tmp_path / "cache")),
+        "RAY_AUTH_TOKEN_PATH": str(token),
+    }
     store = {"object_store_memory": 100 * MB}
     head = {"num_cpus": 0, "resources": {"control": 1}, **store}
     data = {"num_cpus": 2, "resources": {"data": 4}, **store}

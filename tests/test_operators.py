@@ -18,7 +18,7 @@ from client.records import claim, live_records, records_dir, release, service_fi
 from pipeline.config import ConfigError
 from pipeline.read.resolve import parse_config
 from service.serve import PortTaken, bind_api
-from tests.conftest import stdlib_texts, write_jsonl
+from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
 from tests.rayhead import free_port, wait_http
 from wire.protocol import check_service_name
 
@@ -117,7 +117,10 @@ def test_serve_on_a_taken_port_exits_at_once_and_records_nothing(tmp_path):
 
 @pytest.mark.slow
 def test_serve_on_port_0_records_and_reports_the_port_it_bound(tmp_path):
-    env = os.environ | {"TOKENMILL_CACHE": str(tmp_path / "cache"), "TOKENMILL_API_TOKEN": "t"}
+    env = os.environ | {
+        "TOKENMILL_CACHE": str(fresh_cache(tmp_path / "cache")),
+        "TOKENMILL_API_TOKEN": "t",
+    }
     for key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS"):
         env.pop(key, None)
     name = f"zero{os.getpid()}"

@@ -13,7 +13,7 @@ import time
 import pytest
 import yaml
 
-from tests.conftest import stdlib_texts, write_jsonl
+from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
 from tests.rayhead import free_port
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def test_stop_drains_and_never_kills_the_trainers(tmp_path, now):
     cfg.write_text(yaml.safe_dump({"seq_len": 64, "global_batch_size": 4, "shuffle": {"window": 4},
                                    "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}}}))  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS")}
-    env |= {"TOKENMILL_CACHE": str(tmp_path / "cache")}
+    env |= {"TOKENMILL_CACHE": str(fresh_cache(tmp_path / "cache"))}
     name, port = f"stop{os.getpid()}{int(now)}", free_port()
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
