@@ -144,6 +144,9 @@ class Hosts:
         self.token = logs / "ray_token"
         self.token.write_text(secrets.token_hex(32))
         base = {k: v for k, v in (env or os.environ).items() if k not in UNSET}
+        conftest = sys.modules.get("tests.conftest")
+        if conftest is not None:  # under pytest: the hosts' processes find the tokenizer built
+            conftest.warm_cache()
         path = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH")) if p)
         self.env = base | {"RAY_AUTH_TOKEN_PATH": str(self.token), "PYTHONPATH": path}
         self.ray_env = self.env | {"RAY_AUTH_MODE": "token"}

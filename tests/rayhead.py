@@ -55,6 +55,9 @@ def wait_http(url: str, timeout: float = 120.0) -> dict:
 def serve_process(config, address: str, name: str, cwd, env: dict | None = None):
     """`python -m service serve` in a subprocess (in `cwd`, where its rejects file goes),
     up once /healthz answers; SIGTERMed at the end. Yields {address, port, name, proc}."""
+    from tests.conftest import warm_cache
+
+    warm_cache()  # a serve given `env` without a cache of its own loads the tokenizer from it
     port = free_port()
     # Its output goes to a file, never to a pipe nobody reads: a full pipe (64 KB) blocks the
     # service on its next print, and its HTTP API with it.
@@ -92,6 +95,9 @@ def serve_process(config, address: str, name: str, cwd, env: dict | None = None)
 def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
     """Yields {"gcs", "dashboard", "temp"}; `temp` is the cluster's --temp-dir (short: AF_UNIX
     paths are <= 107 bytes), where it also writes its `ray_current_cluster` file."""
+    from tests.conftest import warm_cache
+
+    warm_cache()  # the cluster's workers load the tokenizer from this process's cache
     own = temp is None
     temp = temp or tempfile.mkdtemp(prefix="tm", dir="/tmp")
     # Ports are picked free and then bound by `ray start`: another process may take one in

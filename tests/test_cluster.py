@@ -135,7 +135,8 @@ def test_serve_on_the_token_cluster_then_stop_sigkill_and_restart(foreign, confi
         fresh["proc"].send_signal(signal.SIGTERM)
         assert fresh["proc"].wait(timeout=20) == 0
         assert time.time() - t < 10, f"SIGTERM took {time.time() - t:.1f}s"
-    gone = tokenmill("status", "--name", name, "--address", gcs, env=env)
+    # --wait 0: with an address, `status` otherwise waits 30 s for a service still starting
+    gone = tokenmill("status", "--name", name, "--address", gcs, "--wait", "0", env=env)
     assert gone.returncode == 1 and "no tokenmill service" in gone.stderr
 
 
