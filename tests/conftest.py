@@ -108,12 +108,12 @@ SLOW_FIXTURES = frozenset({"ray_cluster", "foreign", "head", "clone", "browser",
 # `./dev test` logs the slowest tests). Two xdist workers take whole files in collection
 # order, so the longest go first and the short ones fill in at the end (LPT scheduling):
 # otherwise one worker ran the last long file alone for minutes.
-LONGEST_FIRST = ("test_lanes.py", "test_trainer_service.py", "test_job_submit.py",
-                 "test_swift.py", "test_liveness.py", "test_cluster.py", "test_stop.py",
-                 "test_autoscale.py", "test_hosts.py", "test_nodes.py", "test_titan.py",
-                 "test_ranks.py",
-                 "test_adapters_raytrain.py", "test_adapters_torchrun.py", "test_page.py", "test_demand.py",
-                 "test_adapters.py", "test_export_lanes.py")  # fmt: skip
+LONGEST_FIRST = ("test_lanes.py", "test_trainer_service.py", "test_swift.py",
+                 "test_adapters_torchrun.py", "test_autoscale.py", "test_hosts.py",
+                 "test_liveness.py", "test_stop.py", "test_ranks.py",
+                 "test_adapters_raytrain.py", "test_nodes.py", "test_job_submit.py",
+                 "test_demand.py", "test_cluster.py", "test_page.py", "test_end_of_data.py",
+                 "test_api.py", "test_titan.py", "test_adapters.py", "test_export_lanes.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
