@@ -215,8 +215,11 @@ def test_an_executor_starts_only_if_it_would_deliver_before_the_local_thread_is_
     cfg, units, stream, plain = _small_units(tmp_path)
     started: list[int] = []
 
+    called = threading.Event()
+
     def executor(us, st, tok):
         started.extend(u.index for u in us)
+        called.set()
         return iter_blocks_local(us, st, tok)
 
     executor.startup_s = startup_s  # type: ignore[attr-defined]
@@ -224,6 +227,11 @@ def test_an_executor_starts_only_if_it_would_deliver_before_the_local_thread_is_
     local_done_one = threading.Event()
 
     def local(us, st, tok):  # Ray comes up once the local thread has a pace
+        if local_done_one.is_set():
+            # Its second unit waits for the executor's decision: unheld, on a busy machine the
+            # thread made every unit before the executor looked (and then rightly stayed off).
+            # An executor that should not start has had 1 s (twice its recheck) to do it wrongly.
+            called.wait(60 if startup_s == 0.0 else 1)
         yield from iter_blocks_local(us, st, tok)
         local_done_one.set()
 
