@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import warm_cache
 from tests.rayhead import RAY, free_port, ray_head, wait_http
 from tests.test_serve import CONSUMER
 
@@ -93,7 +92,6 @@ def ended(cli_output: str) -> bool:
 
 
 def test_job_submit_as_the_readme_says(head, clone, tmp_path):
-    warm_cache()  # the job's serve loads the tokenizer from this process's cache
     exports, command = readme_recipe()
     config = clone / "examples" / "demo.yaml"
     port = free_port()
