@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
+import sys
 import sysconfig
 import tempfile
 from pathlib import Path
@@ -37,28 +39,56 @@ for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKEN
 atexit.register(shutil.rmtree, ISOLATED, ignore_errors=True)
 
 
+# The default tokenizer's built files (cl100k converted to tokenizer.json, the fast engine's
+# proofs), made once for every test process that runs from this venv: both tiers and every
+# xdist worker copy them (a few MB) into their own cache instead of building them (~15 CPU-s
+# each). Their names carry the content and library versions they were built from, as in a
+# user's cache; a venv that cannot be written to builds them in the process's own cache.
+BUILT = Path(sys.prefix) / "tokenmill-test-cache"
+
+
+def _built(src: Path) -> bool:
+    return any(src.glob("cl100k_base-*/tokenizer.json")) and (src / "fast_proofs").is_dir()
+
+
+def _build(cache: Path) -> None:
+    from pipeline.config import TokenizerConfig
+    from pipeline.tokenize.engines import load_tokenizer
+
+    before = os.environ.get("TOKENMILL_CACHE")
+    os.environ["TOKENMILL_CACHE"] = str(cache)
+    try:
+        load_tokenizer(TokenizerConfig())
+    finally:
+        if before is None:
+            os.environ.pop("TOKENMILL_CACHE", None)
+        else:
+            os.environ["TOKENMILL_CACHE"] = before
+
+
 def warm_cache() -> Path:
-    """This test process's TOKENMILL_CACHE, with the default tokenizer's built files in it
-    (cl100k converted to tokenizer.json, the fast engine's proofs). A cold cache costs every
-    process that loads the tokenizer ~15 CPU-s (measured: 3 s importing transformers'
-    converter, 3 s converting, 9 s of proofs), and the processes a test starts together
-    (a serve, its lanes, an export) each pay it: on two cores, a large share of the slow
-    tier. What a cold cache does is tested where it is the subject
+    """This test process's TOKENMILL_CACHE, with the default tokenizer's built files in it.
+    A cold cache costs every process that loads the tokenizer ~15 CPU-s (measured: 3 s
+    importing transformers' converter, 3 s converting, 9 s of proofs), and the processes a
+    test starts together (a serve, its lanes, an export) each pay it: on two cores, a large
+    share of the slow tier. What a cold cache does is tested where it is the subject
     (test_tokenizer_loading.py, test_chat.py)."""
     src = ISOLATED / "cache"
-    if not any(src.glob("cl100k_base-*/tokenizer.json")) or not (src / "fast_proofs").is_dir():
-        from pipeline.config import TokenizerConfig
-        from pipeline.tokenize.engines import load_tokenizer
-
-        before = os.environ.get("TOKENMILL_CACHE")
-        os.environ["TOKENMILL_CACHE"] = str(src)
-        try:
-            load_tokenizer(TokenizerConfig())
-        finally:
-            if before is None:
-                os.environ.pop("TOKENMILL_CACHE", None)
-            else:
-                os.environ["TOKENMILL_CACHE"] = before
+    if _built(src):
+        return src
+    try:
+        BUILT.mkdir(exist_ok=True)
+        lock = open(BUILT / ".lock", "w")  # noqa: SIM115  # held while one process builds
+    except OSError:
+        _build(src)
+        return src
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _built(BUILT):
+            _build(BUILT)
+    for entry in BUILT.iterdir():
+        if entry.is_dir() and entry.name != "services":
+            shutil.copytree(entry, src / entry.name, dirs_exist_ok=True)
     return src
 
 
@@ -105,7 +135,7 @@ SLOW_FIXTURES = frozenset({"ray_cluster", "foreign", "head", "clone", "browser",
 
 
 # The slow tier's longest files, longest first (seconds on this 2-core machine, serially:
-# `./dev test` logs the slowest tests). Two xdist workers take whole files in collection
+# `./dev test` logs the slowest tests). The xdist workers take whole files in collection
 # order, so the longest go first and the short ones fill in at the end (LPT scheduling):
 # otherwise one worker ran the last long file alone for minutes.
 LONGEST_FIRST = ("test_lanes.py", "test_trainer_service.py", "test_swift.py",
@@ -126,6 +156,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fast)
     first = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: files stay whole
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tokenizer_built():
+    """Every test process finds the default tokenizer built in its cache (`warm_cache`)."""
+    warm_cache()
 
 
 TEST_SLOTS = 2  # `tokenmill_test_slot` resources of the session's cluster (test_placing.py)
