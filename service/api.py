@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi import Path as Path_
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -228,52 +228,99 @@ def _swagger_assets() -> Path:
 
 
 def create_app(backend: Backend) -> FastAPI:
+    """The API over `backend`: open reads (`_reads`), changes and reads of the data that need
+    the token (`_guarded`), the live page and the offline /docs (`_pages`)."""
     # The default /docs and /redoc load their assets from a CDN; ours are served locally.
     app = FastAPI(
         title="tokenmill", version="0.1.0", description=__doc__, docs_url=None, redoc_url=None
     )
     app.mount(SWAGGER_STATIC, StaticFiles(directory=_swagger_assets()), name="swagger-static")
     app.add_middleware(GuardMutations)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.include_router(_reads(backend))
+    app.include_router(_guarded(backend), dependencies=[Depends(require_token)])
+    app.include_router(_pages(app))
+    return app
 
-    def require_token(request: Request, _: BearerCredentials) -> None:
-        refusal = token_refusal(request.headers.get("authorization"))
-        if refusal:
-            raise HTTPException(*refusal)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        msgs = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-            msgs.append(f"{loc or 'body'}: {err.get('msg')}")
-        return JSONResponse(status_code=422, content={"detail": "; ".join(msgs)})
+def require_token(request: Request, _: BearerCredentials) -> None:
+    """A route's dependency: the request carries the service's token (`token_refusal`)."""
+    refusal = token_refusal(request.headers.get("authorization"))
+    if refusal:
+        raise HTTPException(*refusal)
 
-    @app.get("/healthz")
+
+async def _invalid(request: Request, exc: Exception) -> JSONResponse:
+    """A request that does not validate: a 422 naming each field and what is wrong with it."""
+    assert isinstance(exc, RequestValidationError)
+    msgs = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        msgs.append(f"{loc or 'body'}: {err.get('msg')}")
+    return JSONResponse(status_code=422, content={"detail": "; ".join(msgs)})
+
+
+def _reads(backend: Backend) -> APIRouter:
+    """What anyone who reaches the API may read: health, status, figures, the mixture, a
+    resume state."""
+    router = APIRouter()
+
+    @router.get("/healthz")
     def healthz() -> dict:
         return {"ok": True}
 
-    @app.get("/v1/status")
+    @router.get("/v1/status")
     def status() -> dict:
         return backend.call("status")
 
-    @app.get("/v1/metrics")
+    @router.get("/v1/metrics")
     def metrics() -> dict:
         m = backend.call("metrics")
         if isinstance(m, dict):  # one clock for the live page's charts (and the server's samples)
             m.setdefault("server_time", time.time())
         return m
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @router.get("/metrics", response_class=PlainTextResponse)
     def prometheus() -> str:
         return prometheus_text(backend.call("metrics"), backend.call("status"))
 
-    @app.get("/v1/mixture")
+    @router.get("/v1/mixture")
     def get_mixture() -> dict:
         return backend.call("mixture")
 
-    @app.put(
+    @router.get(
+        "/v1/state",
+        summary="A resume state (not authenticated: read-only)",
+        description=STATE_DOC,
+        responses={
+            200: {
+                "description": "The state (sealed JSON: version, config_hash, step, digest, ...)",
+                "headers": {
+                    STATE_AUTH_HEADER: {
+                        "description": "Says this route is not authenticated, and why",
+                        "schema": {"type": "string"},
+                    }
+                },
+            }
+        },
+    )
+    def state(response: Response, step: int | None = Query(default=None, ge=0, le=2**62)) -> Any:
+        response.headers[STATE_AUTH_HEADER] = STATE_AUTH
+        # A 503: the mixing policy's loss of that state is not in yet.
+        return _answered(backend.call, "state", step, STATE_WAIT_S, lookup=404,
+                         headers={STATE_AUTH_HEADER: STATE_AUTH})  # fmt: skip
+
+    return router
+
+
+def _guarded(backend: Backend) -> APIRouter:
+    """What needs `Authorization: Bearer <token>` (`create_app` adds `require_token`): every
+    change of course (mixture, skips, pause, resume) and a step's provenance (it reveals the
+    data)."""
+    router = APIRouter()
+
+    @router.put(
         "/v1/mixture",
-        dependencies=[Depends(require_token)],
         summary="Replace the mixture weights (all streams)",
         description=PUT_MIXTURE_DOC,
     )
@@ -303,9 +350,8 @@ def create_app(backend: Backend) -> FastAPI:
         step = _answered(backend.call, "set_weights", dict(update.weights), value=400)
         return {"effective_step": step}
 
-    @app.post(
+    @router.post(
         "/v1/skips",
-        dependencies=[Depends(require_token)],
         summary="Leave documents out from the next step made",
         description=SKIPS_DOC,
     )
@@ -322,9 +368,8 @@ def create_app(backend: Backend) -> FastAPI:
                          timeout_s=300.0, lookup=400, value=400)  # fmt: skip
         return {"effective_step": done["step"], "left_out": done["left_out"], "why": done["why"]}
 
-    @app.post(
+    @router.post(
         "/v1/pause",
-        dependencies=[Depends(require_token)],
         summary="Pause the producer",
         description="Ranks keep the steps already made; no new step is made until "
         "`POST /v1/resume`. Needs `Authorization: Bearer <token>`.",
@@ -332,40 +377,16 @@ def create_app(backend: Backend) -> FastAPI:
     def pause() -> dict:
         return {"state": _answered(backend.call, "pause")}
 
-    @app.post(
+    @router.post(
         "/v1/resume",
-        dependencies=[Depends(require_token)],
         summary="Resume the producer",
         description="Undoes `POST /v1/pause`. Needs `Authorization: Bearer <token>`.",
     )
     def resume() -> dict:
         return {"state": _answered(backend.call, "resume")}
 
-    @app.get(
-        "/v1/state",
-        summary="A resume state (not authenticated: read-only)",
-        description=STATE_DOC,
-        responses={
-            200: {
-                "description": "The state (sealed JSON: version, config_hash, step, digest, ...)",
-                "headers": {
-                    STATE_AUTH_HEADER: {
-                        "description": "Says this route is not authenticated, and why",
-                        "schema": {"type": "string"},
-                    }
-                },
-            }
-        },
-    )
-    def state(response: Response, step: int | None = Query(default=None, ge=0, le=2**62)) -> Any:
-        response.headers[STATE_AUTH_HEADER] = STATE_AUTH
-        # A 503: the mixing policy's loss of that state is not in yet.
-        return _answered(backend.call, "state", step, STATE_WAIT_S, lookup=404,
-                         headers={STATE_AUTH_HEADER: STATE_AUTH})  # fmt: skip
-
-    @app.get(
+    @router.get(
         "/v1/steps/{step}/provenance",
-        dependencies=[Depends(require_token)],
         summary="Which documents fed a step (authenticated: it reveals the data)",
         description="Every segment of the step's rows: stream, source file, record (0-based "
         "line / row / sample), the token range within its document, the rank that got it "
@@ -388,17 +409,24 @@ def create_app(backend: Backend) -> FastAPI:
                          lookup=404, value=400)  # fmt: skip
         return [s for s in segs if rank is None or s["rank"] == rank]
 
-    @app.get("/", response_class=HTMLResponse)
+    return router
+
+
+def _pages(app: FastAPI) -> APIRouter:
+    """The live page and /docs, both from files bundled with the service."""
+    router = APIRouter()
+
+    @router.get("/", response_class=HTMLResponse)
     def page() -> str:
         return PAGE.read_text()
 
     # The bundled Swagger UI (4.x) renders OpenAPI 3.0 only; FastAPI writes 3.1. /docs reads
     # the same schema written as 3.0 (only how null is spelled differs); /openapi.json stays 3.1.
-    @app.get(DOCS_OPENAPI, include_in_schema=False)
+    @router.get(DOCS_OPENAPI, include_in_schema=False)
     def docs_openapi() -> dict:
         return openapi_30(app.openapi())
 
-    @app.get("/docs", include_in_schema=False)
+    @router.get("/docs", include_in_schema=False)
     def docs(request: Request) -> HTMLResponse:
         root = request.scope.get("root_path", "").rstrip("/")
         return get_swagger_ui_html(
@@ -409,7 +437,7 @@ def create_app(backend: Backend) -> FastAPI:
             swagger_favicon_url=f"{root}{SWAGGER_STATIC}/favicon-32x32.png",
         )
 
-    return app
+    return router
 
 
 def openapi_30(schema: dict) -> dict:

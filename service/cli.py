@@ -34,84 +34,106 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.required else super()._get_help_string(action)
 
 
+CONFIG_HELP = (
+    "the run's YAML config (a relative path in it: the working directory's if it exists "
+    "there, else the config directory's)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description=__doc__, formatter_class=_Help)
     sub = p.add_subparsers(dest="command", required=True)
 
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+    def command(name: str, help: str, func=None) -> argparse.ArgumentParser:
+        x = sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+        if func is not None:
+            x.set_defaults(func=func)
+        return x
 
-    config_help = (
-        "the run's YAML config (a relative path in it: the working directory's if it exists "
-        "there, else the config directory's)"
-    )
-    v = command("serve", "run the service: batch server + control API")
-    v.add_argument("--config", required=True, help=config_help)
-    v.add_argument(
+    _serve(command("serve", "run the service: batch server + control API", cmd_serve))
+    _stop_or_status(command("stop", "stop a running service (its serve drains and exits)",
+                            cmd_stop), "stop")  # fmt: skip
+    _stop_or_status(command("status", "print a running service's status", cmd_status), "status")
+    _export(command("export", "write the served batch sequence to files", cmd_export))
+    _check(command("check", "validate the config, load the tokenizer and scan every record",
+                   cmd_check))  # fmt: skip
+    _stats(command("stats", "token lengths per stream, and one seq_len for the whole mixture",
+                   cmd_stats))  # fmt: skip
+    _trace(command("trace", "which documents fed a step: each segment's stream, source file, "
+                   "record (0-based) and token range within its document", cmd_trace))  # fmt: skip
+    _corpus(command("corpus", "write the demo corpus (from the standard library) to a directory",
+                    cmd_corpus))  # fmt: skip
+    command("bench", "the benchmark suite (options: --quick, --json PATH; see --help)")
+    _demo(command("demo", "the main job on the embedded default", cmd_demo))
+    return p
+
+
+def _serve(p: argparse.ArgumentParser) -> None:
+    """`serve`'s arguments."""
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
+    p.add_argument(
         "--resume", default=None, help="start from a state (GET /v1/state, state-N.json)"
     )
-    v.add_argument("--address", default=None, help=ADDRESS_HELP)
-    v.add_argument("--host", default=None, help="API bind address (None: the config's, 127.0.0.1)")
-    v.add_argument("--port", type=int, default=None, help="API port (None: the config's, 8000)")
-    v.add_argument("--name", default="tokenmill", type=service_name,
+    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    p.add_argument("--host", default=None, help="API bind address (None: the config's, 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="API port (None: the config's, 8000)")
+    p.add_argument("--name", default="tokenmill", type=service_name,
                    help="the service (actor) name trainers connect to")  # fmt: skip
-    v.add_argument(
+    p.add_argument(
         "--allow-config-change",
         action="store_true",
         help="resume a state written by a different config (recorded in the history)",
     )
-    v.add_argument(
+    p.add_argument(
         "--skip-steps",
         default=None,
         metavar="STEPS",
         help="leave out the documents these steps drew (41230-41240, or 3,7,9-11): recomputed from --resume, "
         "from the resume step on, in every epoch; listed in the summary and the state",
     )
-    v.add_argument(
+    p.add_argument(
         "--skip-docs",
         default=None,
         metavar="FILE",
         help="leave out the documents a file names (JSON or JSON lines of {stream, doc_id} "
         "or {stream, source, record}: `tokenmill trace --json` output works)",
     )
-    v.set_defaults(func=cmd_serve)
 
-    for verb, func, doc in (
-        ("stop", cmd_stop, "stop a running service (its serve drains and exits)"),
-        ("status", cmd_status, "print a running service's status"),
-    ):
-        x = command(verb, doc)
-        x.add_argument("--name", default="tokenmill", type=service_name, help="the service name")
-        x.add_argument(
-            "--address",
-            default=None,
-            help="its Ray cluster (None: from the service's record on this machine, else "
-            "RAY_ADDRESS, else the one cluster running here)",
-        )
-        if verb == "status":
-            x.add_argument("--json", action="store_true", help="status and metrics as JSON")
-            x.add_argument("--wait", type=float, default=30.0,
-                           help="seconds to wait for a service that is starting (its record "
-                           "claimed, its Ray or actor not up yet); 0: answer at once (30)")  # fmt: skip
-        else:
-            x.add_argument("--now", action="store_true",
-                           help="end every rank at once, without the steps already made")  # fmt: skip
-            x.add_argument("--timeout", type=float, default=600.0,
-                           help="seconds to wait for the drain before killing serve (600)")  # fmt: skip
-        x.set_defaults(func=func)
 
-    e = command("export", "write the served batch sequence to files")
-    e.add_argument("--config", required=True, help=config_help)
-    e.add_argument("--out", required=True, help="the directory to write (created if missing)")
-    e.add_argument("--steps", type=int, default=None, help="global steps to write (None: all)")
-    e.add_argument("--world-size", type=int, default=1, help="ranks: one file per rank and step")
-    e.add_argument(
+def _stop_or_status(p: argparse.ArgumentParser, verb: str) -> None:
+    """`stop` and `status`: which service, where; then each one's own."""
+    p.add_argument("--name", default="tokenmill", type=service_name, help="the service name")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="its Ray cluster (None: from the service's record on this machine, else "
+        "RAY_ADDRESS, else the one cluster running here)",
+    )
+    if verb == "status":
+        p.add_argument("--json", action="store_true", help="status and metrics as JSON")
+        p.add_argument("--wait", type=float, default=30.0,
+                       help="seconds to wait for a service that is starting (its record "
+                       "claimed, its Ray or actor not up yet); 0: answer at once (30)")  # fmt: skip
+    else:
+        p.add_argument("--now", action="store_true",
+                       help="end every rank at once, without the steps already made")  # fmt: skip
+        p.add_argument("--timeout", type=float, default=600.0,
+                       help="seconds to wait for the drain before killing serve (600)")  # fmt: skip
+
+
+def _export(p: argparse.ArgumentParser) -> None:
+    """`export`'s arguments."""
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
+    p.add_argument("--out", required=True, help="the directory to write (created if missing)")
+    p.add_argument("--steps", type=int, default=None, help="global steps to write (None: all)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks: one file per rank and step")
+    p.add_argument(
         "--format",
         choices=["parquet", "arrow", "mds"],
         default="parquet",
         help="step files: parquet, arrow (IPC), or one MDS dataset",
     )
-    e.add_argument(
+    p.add_argument(
         "--layout",
         choices=["compact", "full"],
         default="compact",
@@ -119,35 +141,35 @@ def build_parser() -> argparse.ArgumentParser:
         "segment_ids, and labels unless a stream masks tokens), expanded on read; "
         "full: every column as served",
     )
-    e.add_argument("--address", default=None, help=ADDRESS_HELP)
-    e.add_argument(
+    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    p.add_argument(
         "--state-every",
         type=int,
         default=0,
         help="write DIR/state-N.json every K steps (0: only at the end)",
     )
-    e.add_argument("--resume", default=None, help="continue from a state-N.json")
-    e.add_argument(
+    p.add_argument("--resume", default=None, help="continue from a state-N.json")
+    p.add_argument(
         "--allow-config-change",
         action="store_true",
         help="resume a state written by a different config (logged)",
     )
-    e.add_argument(
+    p.add_argument(
         "--skip-steps",
         default=None,
         metavar="STEPS",
         help="leave out the documents these steps drew (41230-41240, or 3,7,9-11): read from --out where it holds them, else recomputed from --resume, "
         "from the resume step on, in every epoch; listed in the summary and the state",
     )
-    e.add_argument(
+    p.add_argument(
         "--skip-docs",
         default=None,
         metavar="FILE",
         help="leave out the documents a file names (JSON or JSON lines of {stream, doc_id} "
         "or {stream, source, record}: `tokenmill trace --json` output works)",
     )
-    e.add_argument("--local", action="store_true", help="run in-process without Ray (debugging)")
-    e.add_argument(
+    p.add_argument("--local", action="store_true", help="run in-process without Ray (debugging)")
+    p.add_argument(
         "--pool",
         type=int,
         default=None,
@@ -157,72 +179,69 @@ def build_parser() -> argparse.ArgumentParser:
         "CPUs when joining a running cluster (--address, RAY_ADDRESS): the first export "
         "creates it, the next find it warm; none with a private local Ray",
     )
-    e.add_argument(
+    p.add_argument(
         "--pool-idle-s",
         type=float,
         default=300.0,
         help="a pool actor exits (and frees its CPU) after this many seconds without work",
     )
-    e.set_defaults(func=cmd_export)
 
-    c = command("check", "validate the config, load the tokenizer and scan every record")
-    c.add_argument("--config", required=True, help=config_help)
-    c.add_argument(
+
+def _check(p: argparse.ArgumentParser) -> None:
+    """`check`'s arguments."""
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
+    p.add_argument(
         "--show", type=int, default=20, help="bad records listed per stream (all are counted)"
     )
-    c.set_defaults(func=cmd_check)
 
-    s = command("stats", "token lengths per stream, and one seq_len for the whole mixture")
-    s.add_argument("--config", required=True, help=config_help)
-    s.add_argument("--docs", type=int, default=2000, help="documents sampled per stream")
-    s.add_argument("--json", default=None, help="also write the figures to this file")
-    s.add_argument(
+
+def _stats(p: argparse.ArgumentParser) -> None:
+    """`stats`' arguments."""
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
+    p.add_argument("--docs", type=int, default=2000, help="documents sampled per stream")
+    p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument(
         "--fit",
         type=float,
         default=0.99,
         help="the share of the mixture's documents (at the configured weights) that the "
         "recommended seq_len holds whole",
     )
-    s.set_defaults(func=cmd_stats)
 
-    t = command(
-        "trace",
-        "which documents fed a step: each segment's stream, source file, record (0-based) and "
-        "token range within its document",
-    )
-    t.add_argument("--config", required=True, help=config_help)
-    t.add_argument("--step", required=True, help="a step, a range (41230-41240) or a list")
-    src = t.add_mutually_exclusive_group(required=True)
+
+def _trace(p: argparse.ArgumentParser) -> None:
+    """`trace`'s arguments."""
+    p.add_argument("--config", required=True, help=CONFIG_HELP)
+    p.add_argument("--step", required=True, help="a step, a range (41230-41240) or a list")
+    src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--out", default=None, help="an export's directory (Parquet or Arrow)")
     src.add_argument(
         "--state", default=None,
         help="a state at or before the step (state-N.json, GET /v1/state): the feed is rebuilt "
         "there and run forward to the step, in this process",
     )  # fmt: skip
-    t.add_argument("--rank", type=int, default=None, help="only this rank's rows")
-    t.add_argument(
+    p.add_argument("--rank", type=int, default=None, help="only this rank's rows")
+    p.add_argument(
         "--world-size", type=int, default=None,
         help="ranks the rows are split among (None: the export's, else 1)",
     )  # fmt: skip
-    t.add_argument("--text", action="store_true", help="also each segment's decoded text")
-    t.add_argument("--json", action="store_true", help="one JSON list of segments")
-    t.set_defaults(func=cmd_trace)
+    p.add_argument("--text", action="store_true", help="also each segment's decoded text")
+    p.add_argument("--json", action="store_true", help="one JSON list of segments")
 
-    k = command("corpus", "write the demo corpus (from the standard library) to a directory")
-    k.add_argument("--out", default="data/demo", help="the directory to write")
-    k.set_defaults(func=cmd_corpus)
 
-    command("bench", "the benchmark suite (options: --quick, --json PATH; see --help)")
+def _corpus(p: argparse.ArgumentParser) -> None:
+    """`corpus`' arguments."""
+    p.add_argument("--out", default="data/demo", help="the directory to write")
 
-    d = command("demo", "the main job on the embedded default")
-    d.add_argument("--steps", type=int, default=60, help="training steps")
-    d.add_argument("--json", default=None, help="also write the demo's summary to this file")
-    d.add_argument("--out", default=None, help="where to export (None: a temporary directory)")
-    d.add_argument("--address", default=None, help=ADDRESS_HELP)
-    d.add_argument("--policy", action="store_true",
+
+def _demo(p: argparse.ArgumentParser) -> None:
+    """`demo`'s arguments."""
+    p.add_argument("--steps", type=int, default=60, help="training steps")
+    p.add_argument("--json", default=None, help="also write the demo's summary to this file")
+    p.add_argument("--out", default=None, help="where to export (None: a temporary directory)")
+    p.add_argument("--address", default=None, help=ADDRESS_HELP)
+    p.add_argument("--policy", action="store_true",
                    help="turn the mixing policy on (weights that follow each stream's loss)")  # fmt: skip
-    d.set_defaults(func=cmd_demo)
-    return p  # fmt: skip
 
 
 def run_bench(argv: list[str]) -> int:

@@ -256,7 +256,7 @@ def test_a_stall_shows_while_it_happens_and_what_the_trainers_take(server, clien
     """Production paused, a rank asks past the steps made: status, metrics and Prometheus name
     the stall and how long the rank has waited *while* it waits (the trainer's own report
     comes only after); the figure of what trainers take follows their beats."""
-    from service import batch_server as server_module
+    from service import server_view as server_module
 
     held = server.status()["global_step"]
     assert client.post("/v1/pause", headers=AUTH).status_code == 200

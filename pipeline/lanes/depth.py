@@ -53,7 +53,7 @@ def in_flight(lanes: int) -> int:
 # a lane (`most_in_flight`). A lane reads and tokenizes a whole read unit (up to
 # `read.block_bytes`) in the step that first needs it: at 16 lanes a unit of 8 MiB is ~450 of
 # a lane's steps and ~0.2 s of a core, and every other lane, whose steps wait for this one's,
-# stops once it has made the chunks asked of it. `python -m bench.lane_window` replays each
+# stops once it has made the chunks asked of it. `python -m bench lane-rates --window` replays each
 # lane's time per step (each alone on a core) as the control asks them: 16 lanes of 128 MiB
 # of Python sources made 0.65 of the slowest lane's own rate 2 chunks of 32 steps ahead, 0.98
 # at 8 and 1.00 at 16.

@@ -7,8 +7,7 @@ task's start and its first block back, ~80 ms on an idle 2-core VM and more unde
 small stream read with `repeat`, or a lane's share of one (1/K of its pieces: the demo's
 11 MiB of code over 16 lanes is ~0.7 MiB, one read task and ~200k tokens per epoch), then
 pays that cost every few hundred thousand tokens, and one epoch in flight ahead does not
-hide it: lane 0 of 16 read 3.4M tokens/s that way on 2 cores, 5.2M chained
-(`python -m bench.lane_reading`).
+hide it: lane 0 of 16 read 3.4M tokens/s that way on 2 cores, 5.2M chained.
 
 An `EpochChain` is one execution over several whole epochs' units, at least one read
 block's work (a stream whose epoch is as large is read one epoch per execution, as before),
