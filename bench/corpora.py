@@ -15,11 +15,14 @@ K), and a lane reads a fixed share of each stream's pieces. The demo corpus spli
 ~36 documents a lane, a few of them hundreds of kB, so a lane's share is a handful of files,
 and the shares differ in characters per token and in what the HF check covers: each lane
 alone on a core, the fastest made ×1.31–1.35 the slowest's tokens/s
-(`python -m bench.lane_rates --lanes 16`). A corpus of the size lanes are for gives every
+(`python -m bench lane-rates --lanes 16`). A corpus of the size lanes are for gives every
 lane hundreds of documents: ×1.08–1.13 over the same code. Benches that measure lanes at many
 cores take `--corpus site-packages` (or `site-packages:MB`): the corpus a user with lanes
 has is the large one. It differs between machines (what is installed), so compare ratios,
 each measured in one run, not absolute figures across machines.
+
+Also the texts and the single-process rate that the benches' limits are measured with
+(`corpus_texts`, `single_process_rate`: the default tokenizer on one thread, in this process).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import os
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 SITE_PACKAGES = "site-packages"
@@ -85,6 +89,36 @@ def resolve_corpus(arg: str | None) -> Path:
     if name == SITE_PACKAGES:
         return site_packages_corpus(int(mb) if mb else DEFAULT_MB)
     return Path(arg)
+
+
+def corpus_texts(path: Path, limit_bytes: int) -> list[str]:
+    """The `text` of a JSONL file's first documents, up to `limit_bytes` characters."""
+    texts, total = [], 0
+    with open(path) as f:
+        for line in f:
+            t = json.loads(line)["text"]
+            texts.append(t)
+            total += len(t)
+            if total >= limit_bytes:
+                break
+    return texts
+
+
+def single_process_rate(texts: list[str], repeats: int) -> list[float]:
+    """The default tokenizer's tokens/s on `texts` in this process, on one thread, `repeats`
+    times: the limit's single-process rate."""
+    from pipeline.config import TokenizerConfig
+    from pipeline.tokenize.engines import load_tokenizer
+
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    tok = load_tokenizer(TokenizerConfig())
+    tok.encode(texts[:2])  # warm up
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        flat, _ = tok.encode(texts)
+        rates.append(len(flat) / (time.perf_counter() - t))
+    return rates
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,7 @@
 """End to end against the script a user would write instead (issue 15), cold and warm.
 
     tokenmill bench e2e [--corpus FILE.jsonl ...] [--repeats 3] [--json OUT]
+    tokenmill bench e2e --hf --corpus FILE.jsonl ... [--cpus N]
 
 Four ways to the same tokens, each a fresh process timed from its start to its exit, in
 round-robin order so a shared machine's drift falls on all alike, each started once the
@@ -20,6 +21,13 @@ Same corpus, L = 2048, concat packing, EOS after each document, N = the machine'
 workers get N CPUs too). The figure is wall time; tokenmill's own `summary.json` adds its time
 to first step and its steady rate. Ratios are the script's wall / tokenmill's (≥ 1: faster).
 The corpus defaults to the demo corpus's Python sources copied to ~100 MB of JSONL.
+
+With `--hf`: `backend: hf` against its limit, on Ray Data tasks and on a warm pool. The limit
+is `--cpus` × the single-process rate of the same code path (read + HF tokenize + Arrow,
+`reading.iter_blocks_local`) on the corpus's first units, measured in this run. Then, against
+one private `ray start --head`: three exports with `--pool N` (the first creates the pool) and
+one on Ray Data tasks, each a fresh `tokenmill export` process; the figure is each export's
+`steady_tokens_per_s` (summary.json) over the limit.
 """
 
 from __future__ import annotations
@@ -153,7 +161,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs of each method (default 3)")
     ap.add_argument("--cpus", type=int, default=os.cpu_count(), help="default: all cores")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--hf", action="store_true",
+                    help="backend: hf against its limit instead (needs --corpus; see above)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.hf:
+        if not args.corpus:
+            ap.error("--hf needs --corpus FILE.jsonl ...")
+        return run_hf(args.corpus, args.cpus)
     result = run(args.corpus, args.repeats, args.cpus)
     print(table(result))
     if args.json:
@@ -232,6 +246,52 @@ def table(result: dict) -> str:
         )
     lines.append("wall = process start to exit; × script = the script's wall / this wall")
     return "\n".join(lines)
+
+
+def hf_single_process_rate(cfg, units: int = 12) -> float:
+    from pipeline.read.reading import iter_blocks_local
+    from pipeline.stages.documents import DocSource
+    from pipeline.tokenize.engines import load_tokenizer
+
+    load_tokenizer(cfg.tokenizer)
+    stream = cfg.streams["corpus"]
+    todo = DocSource("corpus", 0, cfg, iter_blocks_local).units(0)[:units]
+    t, n = time.perf_counter(), 0
+    for block in iter_blocks_local(todo, stream, cfg.tokenizer):
+        n += sum(len(c.values) for c in block.column("tokens").chunks)
+    return n / (time.perf_counter() - t)
+
+
+def run_hf(corpus: list[str], cpus: int) -> int:
+    """`--hf`: `backend: hf` exports, on a warm pool and on Ray Data tasks, against its limit."""
+    from pipeline.read.resolve import parse_config
+
+    config = {"seq_len": 2048, "global_batch_size": 16, "packing": {"mode": "concat"},
+              "tokenizer": {"backend": "hf"},
+              "streams": {"corpus": {"paths": [str(Path(f).resolve()) for f in corpus]}}}  # fmt: skip
+    limit = cpus * hf_single_process_rate(parse_config(config))
+    print(f"limit: {cpus} x single-process hf = {limit:,.0f} tokens/s", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="tokenmill-hf-"))
+    head = RayHead(cpus)
+    try:
+        path = work / "hf.yaml"
+        path.write_text(json.dumps(config))
+        env = dict(os.environ, TOKENMILL_RAY_ADDRESS="", RAY_ADDRESS="")
+        pool = ["--pool", str(cpus)]
+        for i, (name, extra) in enumerate([("pool (creates it)", pool), ("pool", pool),
+                                           ("pool", pool), ("Ray Data tasks", [])]):  # fmt: skip
+            out = work / f"o{i}"
+            cmd = [str(BIN / "tokenmill"), "export", "--config", str(path), "--out", str(out),
+                   "--address", head.address, *extra]  # fmt: skip
+            subprocess.run(cmd, env=env, capture_output=True, check=True)
+            s = json.loads((out / "summary.json").read_text())
+            steady = s["steady_tokens_per_s"]
+            print(f"{name:<18} wall {s['wall_s']:6.2f}s  steady {steady:>11,.0f} tokens/s  "
+                  f"= {steady / limit:.2f} x limit", flush=True)  # fmt: skip
+    finally:
+        head.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":

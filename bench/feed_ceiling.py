@@ -1,6 +1,6 @@
 """The feed's own ceiling: packing and writing with every block already tokenized.
 
-    python -m bench.feed_ceiling [--corpus FILE.jsonl] [--mb 40] [--json PATH]
+    python -m bench feed-ceiling [--corpus FILE.jsonl] [--mb 40] [--json PATH]
 
 The blocks of a corpus are tokenized once, in this process, and kept in memory; then a StepFeed
 is run over them with an executor that hands them out instantly, so what is timed is only
@@ -67,7 +67,7 @@ def run(corpus: Path, mode: str, write: bool, work: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench feed-ceiling", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     ap.add_argument("--corpus", type=Path, default=None, help="JSONL (default: the demo code)")
     ap.add_argument("--mb", type=int, default=40, help="corpus size without --corpus")

@@ -1,7 +1,7 @@
 """Time to first batch: from launching `tokenmill serve` against a running cluster to every
 rank's first batch.
 
-    python -m bench.first_batch [--ranks 4] [--runs 3] [--config PATH] [--json PATH]
+    python -m bench first-batch [--ranks 4] [--runs 3] [--config PATH] [--json PATH]
 
 One private Ray head (`ray start --head`, its own temp dir and ports, stopped by its process
 group; never `ray stop`) stands for the user's running cluster. Each run launches
@@ -153,7 +153,7 @@ def export_run(config: Path, gcs: str, workdir: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.first_batch")
+    p = argparse.ArgumentParser(prog="python -m bench first-batch")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--config", type=Path, default=None)

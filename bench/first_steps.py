@@ -1,7 +1,7 @@
 """The ranks' wait at a trainer's step, in their first steps and after, against Ray Data's
 `streaming_split` on the same corpus in the same run.
 
-    python -m bench.first_steps [--corpus site-packages:128] [--world-size 4] [--steps 300]
+    python -m bench first-steps [--corpus site-packages:128] [--world-size 4] [--steps 300]
         [--step-ms 50] [--repeats 2] [--lanes 1] [--config JSON] [--json PATH]
 
 W ranks (threads of this process, one driver, one local Ray for both) each take `--steps`
@@ -127,7 +127,9 @@ def ray_data(corpus: Path, world: int, steps: int, step_s: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench first-steps", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--corpus", default="site-packages:128", help="a JSONL file, or "
                     "site-packages[:MB] (bench/corpora.py), or 'demo'")  # fmt: skip
     ap.add_argument("--world-size", type=int, default=4)

@@ -1,6 +1,6 @@
 """One lane's ceiling: what a single service process serves when it has a core of its own.
 
-    python -m bench.lane_ceiling [--steps 600] [--repeat 40] [--lanes 1,2,4] [--json PATH]
+    python -m bench service-ceiling [--steps 600] [--repeat 40] [--lanes 1,2,4] [--json PATH]
 
 The service (one lane: the batch-server actor reads, mixes, packs and serves every token) is
 the plane's single process (issue 29). This bench gives that process one core and everything
@@ -189,7 +189,7 @@ def measure(source: Path, steps: int, repeat: int, pin: bool, lanes: int = 1,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench service-ceiling", description=__doc__)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--repeat", type=int, default=40, help="passes over the pre-tokenized input")
     ap.add_argument("--lanes", default="1", help="comma-separated lane counts (each divides 32)")

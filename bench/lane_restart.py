@@ -1,7 +1,7 @@
 """What a lane's death costs the ranks: the same served run twice, once whole and once with a
 lane's process killed (SIGKILL) partway, on one private local Ray.
 
-    python -m bench.lane_restart [--lanes 2] [--world-size 4] [--steps 600] [--kill-at 200]
+    python -m bench lane-restart [--lanes 2] [--world-size 4] [--steps 600] [--kill-at 200]
         [--step-ms 0] [--config PATH]
 
 The ranks are threads of this process, each `Feed.connect(...)` and `next(feed)` as a trainer
@@ -103,7 +103,9 @@ def serve_once(cfg, name: str, world: int, steps: int, step_s: float,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench lane-restart", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--config", default=None, help="a tokenmill config (default: demo corpus)")
     ap.add_argument("--lanes", type=int, default=2)
     ap.add_argument("--world-size", type=int, default=4)

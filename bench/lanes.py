@@ -1,7 +1,7 @@
 """Lanes against cores: the export's rate with the whole process tree confined to N cores.
 
-    python -m bench.lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
-    python -m bench.lanes --served [--cores 1,2] [--steps 1000] [--steps-per-core S]
+    python -m bench lanes [--cores 1,2] [--repeats 2] [--epochs 24] [--world-size 8] [--json PATH]
+    python -m bench lanes --served [--cores 1,2] [--steps 1000] [--steps-per-core S]
         [--served-repeats 3] [--served-world 8|lanes] [--no-export] [--json PATH]
     (either: [--inputs text,pre-tokenized] [--corpus FILE.jsonl | site-packages[:MB]])
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.throughput import corpus_texts
+from bench.corpora import corpus_texts
 
 SEQ_LEN, BATCH = 2048, 32
 
@@ -190,7 +190,7 @@ def run_served(inputs: dict, cores: list[int], work: Path, steps: int, out: str 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench lanes", description=__doc__)
     ap.add_argument("--cores", default=None, help="comma-separated (default: 1, 2, 4, … up "
                     "to this process's cores)")  # fmt: skip
     ap.add_argument("--repeats", type=int, default=2)

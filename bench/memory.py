@@ -1,6 +1,6 @@
 """Memory while streaming a corpus several times the object-store cap (the bar: flat).
 
-    python -m bench.memory [--cap-mb 128] [--times 5] [--json PATH]
+    python -m bench memory [--cap-mb 128] [--times 5] [--json PATH]
 
 Starts a local Ray whose object store is capped at `--cap-mb`, then exports a corpus of
 `--times` x that many bytes of text (the demo code corpus read for as many epochs as needed),
@@ -53,7 +53,7 @@ def private_rss_total() -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench memory", description=__doc__)
     ap.add_argument("--cap-mb", type=int, default=128)
     ap.add_argument("--times", type=float, default=5.0)
     ap.add_argument("--json", default=None)

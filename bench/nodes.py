@@ -1,6 +1,6 @@
 """Scaling out: what the control process costs, against K lanes and N data nodes.
 
-    python -m bench.nodes [--nodes 2] [--lanes 1,2,4] [--steps 240] [--world-size 4]
+    python -m bench nodes [--nodes 2] [--lanes 1,2,4] [--steps 240] [--world-size 4]
         [--cpus-per-node 1] [--json PATH]
 
 One Ray cluster on this machine (`ray.cluster_utils.Cluster`: a head with no CPUs that holds
@@ -124,7 +124,7 @@ def measure(cfg_raw: dict, lanes: int, world: int, steps: int, address: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench nodes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=2, help="data nodes")
     ap.add_argument("--cpus-per-node", type=int, default=1)
     ap.add_argument("--lanes", default="1,2,4", help="K values, comma-separated")

@@ -1,6 +1,6 @@
 """Reading pre-tokenized input: an export's step files read back as documents, one core.
 
-    python -m bench.reading [--epochs 8] [--repeats 3] [--json PATH]
+    python -m bench reading [--epochs 8] [--repeats 3] [--json PATH]
 
 The demo corpus's code.jsonl is exported in this process (L 2048, G 32, compact Parquet, one
 file per step), and its files are then read back as a `format: export` source: each unit
@@ -23,14 +23,14 @@ SEQ_LEN, BATCH = 2048, 32
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench reading", description=__doc__)
     ap.add_argument("--epochs", type=int, default=8, help="passes over code.jsonl exported")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
+    from bench.corpora import corpus_texts
     from bench.lanes import fastokens_rate
-    from bench.throughput import corpus_texts
     from pipeline.read.reading import Unit, group_units, iter_blocks_local, tokenize_unit
     from pipeline.read.resolve import parse_config
     from pipeline.read.sources import plan_pieces

@@ -1,6 +1,6 @@
 """Resume cost: time from a saved state to the first batch, early and late in a run.
 
-    python -m bench.resume [--steps N] [--json PATH]
+    python -m bench resume [--steps N] [--json PATH]
 
 On a warm cluster (one feed has already run to its first step, so Ray's workers are up and
 hold the tokenizer), times the first batch of a fresh feed over the demo mixture, runs it
@@ -53,7 +53,7 @@ def warm_latencies(cfg, steps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench resume", description=__doc__)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

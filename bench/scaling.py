@@ -1,6 +1,6 @@
 """Delivered tokens/s against the number of CPUs Ray has, with the limit line beside it.
 
-    python -m bench.scaling [--repeat-corpus N] [--json PATH] [--plot PNG]
+    python -m bench scaling [--repeat-corpus N] [--json PATH] [--plot PNG]
 
 Points, each a fresh Ray, the same `tokenmill export` (concat, L = 2048, files written):
   - one node with 1 CPU, then with 2 CPUs (this machine has 2 cores);
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.throughput import corpus_texts, single_process_rate
+from bench.corpora import corpus_texts, single_process_rate
 
 
 def _fast_rate(texts: list[str], repeats: int) -> list[float]:
@@ -76,7 +76,7 @@ def _point(label: str, cpus: int, start, stop, cfg, work: Path, repeats: int) ->
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench scaling", description=__doc__)
     ap.add_argument("--repeat-corpus", type=int, default=12, help="epochs of code.jsonl")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", default=None)

@@ -1,6 +1,6 @@
 """Serving: what the batch service delivers to 8 simulated trainer ranks, against the export.
 
-    python -m bench.serve_ranks [--quick] [--json PATH] [--config PATH] [--threads]
+    python -m bench serving [--quick] [--json PATH] [--config PATH] [--threads]
         [--world-size 8] [--no-export]
 
 The bar, "serving": 8 ranks that consume without a model receive >= 0.85 x the export's
@@ -10,7 +10,7 @@ capped at 512 MiB), over one config (default: the demo corpus's pretraining stre
 
 1. warm-up: one feed to its first step (Ray's workers up, the tokenizer loaded);
 2. export: `service.export.run_export` in this process for N steps (world size 1, Parquet,
-   as bench.throughput runs it);
+   as `tokenmill export` runs it);
 3. serve: the batch-server actor (`service.serve.start_server`) and 8 ranks, each calling
    `next(feed)` on `trainer.feed.Feed.connect(..., rank=r, world_size=8)` as fast as it can
    for the same N steps (the same global sequence the export wrote);
@@ -477,7 +477,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["--_rank"]:
         return _rank_process(argv[1:])
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--quick", action="store_true", help="a smoke test (40 steps)")
     ap.add_argument("--json", default=None, help="write the figures here")

@@ -1,4 +1,4 @@
-"""Shuffle quality on a corpus sorted by a label (issue 26): `python -m bench.shuffle_quality`.
+"""Shuffle quality on a corpus sorted by a label (issue 26): `python -m bench shuffle`.
 
 The corpus is one JSONL of `--sources` equal sources (documents of random words, 0.6-6 KB),
 sorted by source, as a dump ordered by domain or date is. For each shuffle, in a process of
@@ -159,7 +159,9 @@ def child(corpus: Path, name: str, per_source: int, sources: int, seed: int) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench shuffle", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--mb", type=float, default=97.0, help="corpus size (default 97 MB)")
     ap.add_argument("--sources", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """`tokenmill bench`: tokenmill against the tokenizer limit and its peers, side by side.
 
-    python -m bench.suite [--quick] [--json PATH] [--mode bfd|concat]
+    python -m bench [suite] [--quick] [--json PATH] [--mode bfd|concat]
 
 Same run, same corpus (the demo corpus's `code.jsonl`: Python standard-library sources), same
 tokenizer (tokenmill's default cl100k_base), rows of L = 2048 tokens, EOS after each document:
@@ -46,8 +46,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from bench.corpora import corpus_texts, single_process_rate
 from bench.resume import warm_latencies
-from bench.throughput import corpus_texts, single_process_rate
 
 SEQ_LEN = 2048
 QUICK_BYTES = 3 << 20
@@ -203,7 +203,7 @@ def _extras(result: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="tokenmill bench",
+        prog="tokenmill bench [suite]",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,6 +1,6 @@
 """What the HF check costs the fast engine, by document size.
 
-    python -m bench.verify_cost [--sizes 10000,100000,300000,1200000] [--repeats 3]
+    python -m bench verify-cost [--sizes 10000,100000,300000,1200000] [--repeats 3]
 
 `auto` encodes with the fast engine and checks a sample of every batch (`verify_fraction`,
 1% of the characters by default) against the HF tokenizer (pipeline/tokenize/encoders.py
@@ -38,7 +38,7 @@ def rates(docs: list[str], tok, repeats: int) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench verify-cost", description=__doc__)
     ap.add_argument("--sizes", default="10000,100000,300000,1200000")
     ap.add_argument("--total", type=int, default=6_000_000, help="characters per size")
     ap.add_argument("--repeats", type=int, default=3)
