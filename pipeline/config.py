@@ -231,7 +231,7 @@ class PackingConfig(_Frozen):
 
 
 class ShuffleConfig(_Frozen):
-    """How a stream's documents are shuffled, per epoch (pipeline/stages/shuffle.py, issue 26).
+    """How a stream's documents are shuffled, per epoch (pipeline/stages/shuffle.py).
 
     - `files`: false reads the files, and each file's pieces, in order (no piece order, no
       interleave); with `window: 1` that is the files' own order.

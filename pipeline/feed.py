@@ -52,7 +52,7 @@ S = TypeVar("S")  # a state as `StepFeed._steps` takes it: a dict, or kept
 
 @dataclass(frozen=True)
 class LeaveOut:
-    """Documents a run leaves out from a step on (issue 27): ids per stream (`doc_id`, see
+    """Documents a run leaves out from a step on: ids per stream (`doc_id`, see
     pipeline/inspect/provenance.py) and why, for the state's log ("--skip-steps 41230-41240").
 
     The rule: they are dropped where they leave the shuffle, in every epoch; every other

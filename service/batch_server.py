@@ -288,11 +288,10 @@ class BatchServer(Sequencing):
         fewer. A rank that finds `count` steps ready, as one behind a slower GPU does, is
         answered at once and lingers no more.
 
-        Why: a rank's cost, and the actor's, is mostly per call (Ray's RPC on both sides). On
-        2 cores, 8 ranks that consume as fast as they can took 1 to 3 steps per call and spent,
-        with the actor, ~26 ms of CPU per global step, on the cores that tokenize; lingering,
-        ~7 steps per call and ~14 ms; with LOOKAHEAD 32 and one decode per run, ~26 steps per
-        call and ~10 ms (bench/serve_ranks.py)."""
+        Why: a rank's cost, and the actor's, is mostly per call (Ray's RPC on both sides), on
+        the cores that tokenize. Eight ranks consuming as fast as they can on 2 cores take
+        ~26 steps per call this way and spend ~10 ms of CPU per global step with the actor;
+        answered at once, 1 to 3 steps per call and ~26 ms (`python -m bench serving`)."""
         self._check_world(world_size)
         if generation is not None and generation != self.generation:
             raise StepGone(

@@ -206,6 +206,51 @@ def _one_node() -> bool:
         return False
 
 
+def _check_resume(cfg: Config, resume: dict, allow_config_change: bool) -> None:
+    """A state this config can continue from (a feed's, or K lanes' with `lanes` K)."""
+    if cfg.lanes == 1:
+        check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change,
+                    cfg.packing.mode, cfg.global_batch_size)  # fmt: skip
+    else:
+        check_laned_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change,
+                          cfg.packing.mode, cfg.lanes, cfg.global_batch_size)  # fmt: skip
+
+
+def _open_feed(cfg: Config, executor: Executor, first: Executor | None, files: _StepFiles, *,
+               resume: dict | None, allow_config_change: bool, leave_out: LeaveOut | None,
+               full: bool, state_every: int,
+               ray_ready: Future | None) -> tuple[StepFeed | LanedFeed, float]:  # fmt: skip
+    """The export's step source, and when its production began (the steady window's start):
+    one feed here (`lanes: 1`), else K lanes, each reading with Ray Data in its own actor (or
+    here, with `--local`)."""
+    if cfg.lanes == 1:
+        feed = StepFeed(cfg, executor, first, state=resume, allow_config_change=allow_config_change,
+                        leave_out=leave_out)  # fmt: skip
+        feed.full_batches = full
+        return feed, time.monotonic()
+    local = executor is iter_blocks_local
+    if not local and ray_ready is not None:
+        ray_ready.result()
+    # On actors, the lanes write the files of the ranks whose rows they hold (all of
+    # them when K divides the world size): the writing, and every row, stay there.
+    # Only where the lanes share this machine's disk: one node (a lane elsewhere
+    # would write where this process cannot rename).
+    writes = (Writes(str(files.out.resolve()), files.world_size, files.fmt, full, files.keep_labels)
+              if not local and files.fmt != "mds" and _one_node() else None)  # fmt: skip
+    files.writes = writes
+    # Lanes that hold their steps (writing them) are started again when their process
+    # dies, as under `serve` (service.lane_restarts): that needs their states at every
+    # step (the state files keep `state_every`: `steps` asks for those only).
+    restarts = cfg.service.lane_restarts if writes is not None else 0
+    # The steady window opens as the lanes are started: their constructors begin
+    # reading (and the first states, asked at once, wait for them).
+    started = time.monotonic()
+    laned = LanedFeed(cfg, local=local, state=resume, allow_config_change=allow_config_change,
+                      full_batches=full, state_every=1 if restarts else state_every,
+                      leave_out=leave_out, writes=writes, restarts=restarts)  # fmt: skip
+    return laned, started
+
+
 def run_export(
     cfg: Config,
     out: str | Path,
@@ -233,7 +278,7 @@ def run_export(
     connecting in the background. `executor` reads and tokenizes: by default Ray Data, or a
     warm pool (pipeline/read/pool.py), with this process tokenizing until those workers deliver
     (pipeline/read/headstart.py); `reading.iter_blocks_local` makes everything in this process.
-    `leave_out`: documents to leave out from the first step written on (issue 27).
+    `leave_out`: documents to leave out from the first step written on.
     """
     if cfg.mixing.policy is not None:
         raise ValueError(
@@ -251,12 +296,7 @@ def run_export(
     out.mkdir(parents=True, exist_ok=True)
     begun = time.monotonic()
     if resume is not None:  # fail here, with a clear message, not inside the actor
-        if cfg.lanes == 1:
-            check_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change,
-                        cfg.packing.mode, cfg.global_batch_size)  # fmt: skip
-        else:
-            check_laned_state(resume, cfg.config_hash(), list(cfg.streams), allow_config_change,
-                              cfg.packing.mode, cfg.lanes, cfg.global_batch_size)  # fmt: skip
+        _check_resume(cfg, resume, allow_config_change)
     connected: list[float | None] = [None]
     if ray_ready is not None:
         ray_ready.add_done_callback(lambda _: connected.__setitem__(0, time.monotonic()))
@@ -267,35 +307,10 @@ def run_export(
     feed: StepFeed | LanedFeed | None = None
     full = layout == "full" or fmt == "mds"  # compact: nothing derivable
     try:
-        if cfg.lanes == 1:
-            feed = StepFeed(cfg, executor, first, state=resume, allow_config_change=allow_config_change,
-                        leave_out=leave_out)  # fmt: skip
-            feed.full_batches = full
-        else:  # each lane reads with Ray Data in its own actor, or here with --local
-            local = executor is iter_blocks_local
-            if not local and ray_ready is not None:
-                ray_ready.result()
-            # On actors, the lanes write the files of the ranks whose rows they hold (all of
-            # them when K divides the world size): the writing, and every row, stay there.
-            # Only where the lanes share this machine's disk: one node (a lane elsewhere
-            # would write where this process cannot rename).
-            writes = (Writes(str(out.resolve()), world_size, fmt, full, files.keep_labels)
-                      if not local and fmt != "mds" and _one_node() else None)  # fmt: skip
-            files.writes = writes
-            # Lanes that hold their steps (writing them) are started again when their process
-            # dies, as under `serve` (service.lane_restarts): that needs their states at every
-            # step (the state files keep `state_every`: `steps` asks for those only).
-            restarts = cfg.service.lane_restarts if writes is not None else 0
-            # The steady window opens as the lanes are started: their constructors begin
-            # reading (and the first states, asked at once, wait for them).
-            lanes_started = time.monotonic()
-            feed = LanedFeed(cfg, local=local, state=resume,
-                             allow_config_change=allow_config_change, full_batches=full,
-                             state_every=1 if restarts else state_every, leave_out=leave_out,
-                             writes=writes, restarts=restarts)  # fmt: skip
-        feed_started = time.monotonic()  # before anything waits on the lanes
-        if cfg.lanes > 1:
-            feed_started = lanes_started
+        feed, feed_started = _open_feed(cfg, executor, first, files, resume=resume,
+                                        allow_config_change=allow_config_change,
+                                        leave_out=leave_out, full=full,
+                                        state_every=state_every, ray_ready=ray_ready)  # fmt: skip
         at_start = feed.totals()  # a resumed feed's counts start at its state's
         while steps is None or files.written < steps:
             want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)

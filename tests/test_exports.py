@@ -250,6 +250,7 @@ def test_an_executor_starts_only_once_the_consumer_waits_on_the_local_thread(tmp
     consumer takes blocks slower than the local thread makes them (ranks that want fewer
     tokens than one thread makes), the executor is not started, so its start takes no CPU
     from the steps; once the consumer waits on the local thread, it is. The same blocks."""
+    import threading
     import time
     from concurrent.futures import Future
 
@@ -258,9 +259,13 @@ def test_an_executor_starts_only_once_the_consumer_waits_on_the_local_thread(tmp
 
     cfg, units, stream, plain = _small_units(tmp_path)
     started: list[int] = []
+    made = [0]  # blocks the local thread has made
+    progress = threading.Condition()
 
     def executor(us, st, tok):
-        started.extend(u.index for u in us)
+        with progress:
+            started.extend(u.index for u in us)
+            progress.notify_all()
         return iter_blocks_local(us, st, tok)
 
     executor.startup_s = 0.0  # type: ignore[attr-defined]  # always worth starting
@@ -268,6 +273,9 @@ def test_an_executor_starts_only_once_the_consumer_waits_on_the_local_thread(tmp
     def local(us, st, tok):
         for block in iter_blocks_local(us, st, tok):
             time.sleep(0.05 if slow == "local" else 0.0)
+            with progress:
+                made[0] += 1
+                progress.notify_all()
             yield block
 
     up: Future = Future()
@@ -277,7 +285,13 @@ def test_an_executor_starts_only_once_the_consumer_waits_on_the_local_thread(tmp
     got = []
     for block in head:
         got.append(block)
-        time.sleep(0.05 if slow == "consumer" else 0.0)
+        if slow == "consumer":  # it asks for a block only once the thread has made it: it
+            # never waits on the thread, however busy the machine (a fixed sleep here was
+            # outrun by a thread slowed by a loaded machine)
+            with progress:
+                progress.wait_for(
+                    lambda: made[0] > len(got) or len(got) == len(plain) or started, 60
+                )
     head.close()
     assert all(a.equals(b) for a, b in zip(got, plain, strict=True)) and len(got) == len(plain)
     assert bool(started) == (slow == "local"), started

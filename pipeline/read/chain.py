@@ -10,7 +10,7 @@ pays that cost every few hundred thousand tokens, and one epoch in flight ahead 
 hide it: lane 0 of 16 read 3.4M tokens/s that way on 2 cores, 5.2M chained.
 
 An `EpochChain` is one execution over several whole epochs' units, at least one read
-block's work (a stream whose epoch is as large is read one epoch per execution, as before),
+block's work (a stream whose epoch is as large is read one epoch per execution),
 and hands out each epoch's blocks in turn. The units, their order and their blocks' rows are
 those of one execution per epoch, so the documents and every batch are too: only how many
 executions carry them changes.

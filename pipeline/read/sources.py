@@ -15,7 +15,7 @@ stream order so that the outcome is deterministic.
 JSONL is read as a stream of lines, a chunk at a time, whatever the compression: memory per
 reader is one chunk plus one record, and a line longer than `read.max_record_bytes` is read
 past and rejected (a one-line decompression bomb costs time, not memory). What hostile files
-turn into (issue 13: no bad input may lose good data):
+turn into (no bad input may lose good data):
 
 - A damaged stream (a truncated or corrupt `.gz`, a read error) keeps every complete line
   before the damage; the damage is one reject at the record index where it happened.

@@ -12,8 +12,8 @@ Weights can change at a stated global step (a config `schedule:` or `set_weights
 time), never retroactively. The changes are kept in `history`, which is part of the resumable
 state, so a resumed run replays the same schedule.
 
-The history is bounded (issue 24: 5,259 weight PUTs made every `/v1/mixture` and every state
-450 KB). The weights in effect at step t come from the last change at a step <= t, so from
+The history is bounded (unbounded, 5,259 weight PUTs made every `/v1/mixture` and every
+state 450 KB). The weights in effect at step t come from the last change at a step <= t, so from
 the current step on only the change in effect now and the changes scheduled after it can
 ever be chosen again. The history keeps exactly those, which makes resume exact, plus:
 

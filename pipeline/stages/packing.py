@@ -104,7 +104,7 @@ FINISHED = "finished"
 CONSUMED = "consumed"  # concat: tokens of the held document already placed (None: none held)
 BASE, ARRIVALS, POOL = "base", "arrivals", "pool"  # bfd: arrival numbers (see BfdPacker)
 ROWS = "rows"  # bfd: rows made (the pool grows with them)
-# Documents left out at a resume (issue 27; absent: none): per stream the ids left out (`docs`,
+# Documents left out at a resume (absent: none): per stream the ids left out (`docs`,
 # ascending), those met so far (`met`, in the order met), and why and when each set was added.
 SKIPS, SKIP_DOCS, SKIP_MET, SKIP_LOG = "skips", "docs", "met", "log"
 

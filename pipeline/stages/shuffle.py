@@ -3,7 +3,7 @@
 Every generator is derived from (seed, stream name, epoch, counter), never from global state,
 so a run is a pure function of its config (STYLE §3).
 
-Three layers, each cheap to resume (issue 26):
+Three layers, each cheap to resume:
 
 1. **Piece order** (`piece_order`). Every file of a stream is cut into pieces (byte ranges,
    row groups, record-batch runs, shards: pipeline/read/sources.py). Each epoch reads all pieces of

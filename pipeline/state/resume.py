@@ -5,7 +5,7 @@ A state is a few KB of human-readable JSON (pipeline/feed.py builds it). Trainer
 or malformed state must never resume "successfully" into wrong data (a negative cursor once
 repeated 14 served documents and skipped 29), so a state is checked in two ways.
 
-**The seal detects corruption, not tampering** (the choice of issue 24, `SEAL`). `seal` adds
+**The seal detects corruption, not tampering** (`SEAL`). `seal` adds
 `digest`, a plain SHA-256 over the state's canonical JSON (sorted keys, no spaces), with no
 key: a byte flipped on disk, a truncated copy or an edit made without re-sealing is refused,
 but anyone can recompute the digest, so a state edited *and re-sealed* passes it. An HMAC
@@ -66,7 +66,7 @@ POSITION_FIELDS = len(fields(SourcePos))
 PACK_COUNTERS = [f.name for f in fields(PackCounters)]
 
 STATE_VERSION = 3
-# What the digest is (issue 24): a keyless SHA-256 that detects corruption, not tampering; what
+# What the digest is: a keyless SHA-256 that detects corruption, not tampering; what
 # a state may hold is validated instead (the module docstring says why not an HMAC).
 SEAL = "sha256"
 LEGACY_VERSIONS = (1, 2)  # migrated on load (`migrate`)
@@ -111,7 +111,7 @@ def digest(state: dict) -> str:
     state is sealed and checked on its own (`check_laned_state`), so its digest stands for it,
     and the control, which seals a state of K lanes at every step, encodes K digests instead
     of K states (16 lanes: ~19 kB of JSON per step). A laned state sealed over its lanes'
-    whole JSON (before this) is accepted too (`_check_seal`)."""
+    whole JSON (an older release's form) is accepted too (`_check_seal`)."""
     body = {k: v for k, v in state.items() if k != DIGEST}
     parts = body.get(LANES)
     if isinstance(parts, list):

@@ -197,7 +197,7 @@ class RunSummary:
     tokenizer_guarantees: dict | None
     first_reads: FirstReads
     export: ExportReport | None = None  # set by an export (service/export.py)
-    # Documents left out at a resume (issue 27): per stream how many were named and those
+    # Documents left out at a resume: per stream how many were named and those
     # met so far (file, record, doc_id), and the log of when and why; None: none.
     left_out: dict | None = None
 
