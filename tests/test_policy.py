@@ -350,9 +350,13 @@ def test_four_ranks_and_api_calls_at_once_get_the_lone_ranks_rows(tmp_path, ray_
         srv.close()
     for step in range(steps):
         assert [row for r in range(4) for row in got[(r, step)]] == want[step], step
-    assert [c for c in history if c["source"] == "policy"] == [
-        c for c in want_history if c["source"] == "policy"
-    ]
+
+    # The decisions behind the steps the ranks took. The producer runs `prefetch` steps past
+    # them and may decide there too (step 17 of 16 taken), or not yet, as its thread goes.
+    def decided(h):
+        return [c for c in h if c["source"] == "policy" and c["step"] < steps]
+
+    assert decided(history) == decided(want_history) and decided(history)
 
 
 @pytest.mark.slow
