@@ -86,10 +86,15 @@ def warm_cache() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not _built(BUILT):
             _build(BUILT)
-    for entry in BUILT.iterdir():
-        if entry.is_dir() and entry.name != "services":
-            shutil.copytree(entry, src / entry.name, dirs_exist_ok=True)
+    _copy_built(BUILT, src)
     return src
+
+
+def _copy_built(src: Path, dst: Path) -> None:
+    """The tokenizer's built files of cache `src` into cache `dst`; never its service records."""
+    for entry in src.iterdir():
+        if entry.is_dir() and entry.name != "services":
+            shutil.copytree(entry, dst / entry.name, dirs_exist_ok=True)
 
 
 def fresh_cache(path: Path) -> Path:
@@ -97,9 +102,7 @@ def fresh_cache(path: Path) -> Path:
     the tokenizer's built files copied from `warm_cache()`."""
     src = warm_cache()
     path.mkdir(parents=True, exist_ok=True)
-    for entry in src.iterdir():
-        if entry.name != "services" and entry.is_dir():
-            shutil.copytree(entry, path / entry.name, dirs_exist_ok=True)
+    _copy_built(src, path)
     return path
 
 
