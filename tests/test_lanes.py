@@ -966,3 +966,39 @@ def test_laned_exports_write_their_files_in_the_lanes(small, streams, ray_cluste
             spans = world < lanes
             last_short = steps is None
             assert len(joined) == (n if spans else int(last_short)), (tag, world, joined)
+
+
+def test_a_chunks_held_counts_and_a_resumes_served_figures_sum_over_the_lanes(streams):
+    """The control's sums of the lanes' answers, without Ray: a chunk's counts stop where the
+    shortest lane's answer stops; what a resume starts from adds the lanes' states."""
+    import numpy as np
+
+    from pipeline.lanes.feed import global_mixer, held_counts, served_before
+    from pipeline.lanes.steps import LaneMade
+
+    def made(rows: list[int], states: list) -> LaneMade:
+        n = len(rows)
+        return LaneMade(0, np.array(rows), np.array(rows) * 100, np.ones((n, 2), dtype=np.int64),
+                        np.full((n, 2), 3), states)  # fmt: skip
+
+    counted, rows, counts = held_counts([made([4, 4, 2], ["a", "b", "c"]), made([4, 3], [1, 2])])
+    assert [c.states for c in counted] == [[], []]  # the producer keeps the states
+    assert rows == [[4, 4], [4, 3]]  # per step, each lane's rows, as far as both made steps
+    assert counts[0].tolist() == [8, 7] and counts[1].tolist() == [800, 700]
+    assert counts[2].tolist() == [[2, 2], [2, 2]] and counts[3].tolist() == [[6, 6], [6, 6]]
+
+    names = ["code", "chat"]
+    assert served_before([None, None], names)[:2] == (0, 0)
+    part = {"feed": {"rows": 5, "real_tokens": 600, "docs_emitted": {"code": 2, "chat": 1}},
+            "packer": {"mixer": {"placed": {"code": 400, "chat": 200}}}}  # fmt: skip
+    rows_, real, tokens, docs = served_before([part, part], names)
+    assert (rows_, real, tokens.tolist(), docs.tolist()) == (10, 1200, [800, 400], [4, 2])
+
+    cfg = config(streams, 2, schedule=[{"step": 5, "weights": {"code": 0.5, "chat": 0.5}}])
+    fresh = global_mixer(cfg, 0, None, changed=False)
+    assert fresh.scheduled_weights(4).tolist() == [0.7, 0.3]
+    assert fresh.scheduled_weights(5).tolist() == [0.5, 0.5]  # the schedule's change
+    fresh.schedule(9, {"code": 1.0, "chat": 0.0}, source="api")
+    resumed = global_mixer(cfg, 12, {"packer": {"mixer": fresh.get_state()}}, changed=True)
+    assert resumed.scheduled_weights(10).tolist() == [1.0, 0.0]  # the changes made so far
+    assert resumed.scheduled_weights(12).tolist() == [0.7, 0.3]  # a changed config's, from 12

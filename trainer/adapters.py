@@ -320,44 +320,12 @@ def _make_feed_trainer(Trainer):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
         def _load_optimizer_and_scheduler(self, checkpoint):
-            """On CPU with several ranks (gloo), HF loads `optimizer.pt` with
-            `map_location=args.device`, `cpu:N`, which torch cannot restore ("don't know how
-            to restore data location ... (tagged with cpu:0)", transformers 4.57): there the
-            optimizer is loaded onto the CPU, as HF does for one rank. Elsewhere (GPUs,
-            DeepSpeed, FSDP, one rank) HF's own path runs unchanged."""
-            import os
-
-            import torch
-
-            device = self.args.device
-            plain = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-            if (checkpoint is None or device.type != "cpu" or self.args.world_size <= 1
-                    or not plain):  # fmt: skip
-                return super()._load_optimizer_and_scheduler(checkpoint)
-            from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
-
-            optimizer = os.path.join(checkpoint, OPTIMIZER_NAME)
-            scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-            if not (os.path.isfile(optimizer) and os.path.isfile(scheduler)):
-                return super()._load_optimizer_and_scheduler(checkpoint)
-            self.optimizer.load_state_dict(
-                torch.load(optimizer, map_location="cpu", weights_only=True)
-            )
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+            if not _load_optimizer_on_cpu(self, checkpoint):
+                super()._load_optimizer_and_scheduler(checkpoint)
 
         def log(self, logs: dict, *args, **kwargs) -> None:
             if logs.get("train_runtime"):
-                # HF's end-of-training speeds assume `max_steps` steps of
-                # `per_device_train_batch_size` rows: with a feed, a run may end before
-                # max_steps (the data's end, a stop) and a rank's rows are the service's G/W.
-                # What this process trained on instead (in place: train() returns the same
-                # dict as its metrics).
-                ds, runtime = self.train_dataset, logs["train_runtime"]
-                steps = ds.batches // max(1, self.args.gradient_accumulation_steps)
-                logs["train_steps_per_second"] = round(steps / runtime, 3)
-                logs["train_samples_per_second"] = round(
-                    ds.rows * self.args.world_size / runtime, 3
-                )
+                logs.update(_trained_speeds(self, logs["train_runtime"]))
             now = time.perf_counter()
             wait = self.train_dataset.take_wait()
             span = now - (self._wait_clock or now)
@@ -372,6 +340,42 @@ def _make_feed_trainer(Trainer):
     if Trainer.__name__ != "Trainer":
         FeedTrainer.__name__ = FeedTrainer.__qualname__ = f"Feed{Trainer.__name__}"
     return FeedTrainer
+
+
+def _load_optimizer_on_cpu(trainer, checkpoint) -> bool:
+    """On CPU with several ranks (gloo), HF loads `optimizer.pt` with `map_location=args.device`,
+    `cpu:N`, which torch cannot restore ("don't know how to restore data location ... (tagged
+    with cpu:0)", transformers 4.57): there the optimizer is loaded onto the CPU, as HF does for
+    one rank, and this says True. Elsewhere (GPUs, DeepSpeed, FSDP, one rank) False: HF's own
+    path runs unchanged."""
+    import os
+
+    import torch
+
+    device = trainer.args.device
+    plain = not (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled)
+    if checkpoint is None or device.type != "cpu" or trainer.args.world_size <= 1 or not plain:
+        return False
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+    optimizer = os.path.join(checkpoint, OPTIMIZER_NAME)
+    scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+    if not (os.path.isfile(optimizer) and os.path.isfile(scheduler)):
+        return False
+    trainer.optimizer.load_state_dict(torch.load(optimizer, map_location="cpu", weights_only=True))
+    trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+    return True
+
+
+def _trained_speeds(trainer, runtime: float) -> dict:
+    """HF's end-of-training speeds assume `max_steps` steps of `per_device_train_batch_size`
+    rows: with a feed, a run may end before max_steps (the data's end, a stop) and a rank's rows
+    are the service's G/W. What this process trained on instead (HF's `train()` returns the
+    same dict as its metrics)."""
+    ds = trainer.train_dataset
+    steps = ds.batches // max(1, trainer.args.gradient_accumulation_steps)
+    return {"train_steps_per_second": round(steps / runtime, 3),
+            "train_samples_per_second": round(ds.rows * trainer.args.world_size / runtime, 3)}  # fmt: skip
 
 
 def _stream_loss(labels, logits, meta: dict) -> dict:

@@ -55,6 +55,56 @@ from wire.arrays import from_ipc
 from wire.lane_rows import TAKE_GROUP, TAKE_THREADS, join_parts
 
 
+def served_before(parts: list[dict | None], names: list[str]
+                  ) -> tuple[int, int, np.ndarray, np.ndarray]:  # fmt: skip
+    """What the lanes had served at their states `parts` (None: nothing, a start): rows, real
+    tokens, and per stream (in `names` order) the tokens placed and the documents started."""
+    rows = real_tokens = 0
+    tokens = np.zeros(len(names), dtype=np.int64)
+    docs = np.zeros(len(names), dtype=np.int64)
+    for part in parts:
+        if part is None:
+            continue
+        f = part[FEED]
+        rows += int(f[ROWS])
+        real_tokens += int(f[REAL_TOKENS])
+        placed = part[PACKER]["mixer"]["placed"]
+        for i, n in enumerate(names):
+            docs[i] += int(f[DOCS_EMITTED].get(n, 0))
+            tokens[i] += int(placed.get(n, 0))
+    return rows, real_tokens, tokens, docs
+
+
+def held_counts(made: list[LaneMade]) -> tuple[tuple[LaneMade, ...], list[list[int]], list]:
+    """What the steps of a chunk that holding lanes answered (`made`, in lane order) count,
+    summed over the lanes at once: the answers without their states (the producer keeps each
+    step's nested state), each step's rows per lane, and per step its rows, real tokens, and
+    per stream its tokens and documents started (as far as every lane made steps)."""
+    counted = tuple(replace(lane_made, states=[]) for lane_made in made)
+    m = min(len(lane_made) for lane_made in made)
+    rows = np.stack([lane_made.rows[:m] for lane_made in made], axis=1).tolist()
+    counts = [sum(lane_made.rows[:m] for lane_made in made),
+              sum(lane_made.real_tokens[:m] for lane_made in made),
+              sum(lane_made.tokens[:m] for lane_made in made),
+              sum(lane_made.docs[:m] for lane_made in made)]  # fmt: skip
+    return counted, rows, counts
+
+
+def global_mixer(cfg: Config, step: int, part: dict | None, changed: bool) -> DeficitMixer:
+    """The global mixture's bookkeeping (it never mixes: the lanes do): the config's weights and
+    schedule, and at a resume (`part`, lane 0's state: every lane holds the same changes) the
+    changes made so far, then the config's weights from `step` where the config `changed`."""
+    weights = {n: s.weight for n, s in cfg.streams.items()}
+    mixer = DeficitMixer(list(cfg.streams), weights, cfg.mixing.on_exhausted)
+    for entry in cfg.schedule:
+        mixer.schedule(entry.step, entry.weights, source="schedule")
+    if part is not None:
+        mixer.set_state(part[PACKER]["mixer"])
+        if changed:
+            mixer.schedule(step, weights, "resume")
+    return mixer
+
+
 class _Chunk:
     """Steps asked of every lane at once, one call each: the first step, how many, and each
     lane's call (a restarted lane's is replaced in place, `LanedFeed.restart`)."""
@@ -99,23 +149,15 @@ class LanedFeed:
         K = cfg.lanes
         parts: list[dict | None] = [None] * K
         self.step = 0
-        self.rows = self.real_tokens = 0
-        self.tokens = np.zeros(len(self.names), dtype=np.int64)
-        self.docs_emitted = np.zeros(len(self.names), dtype=np.int64)
         if state is not None:
-            checked = check_laned_state(state, self.config_hash, self.names,
-                                        allow_config_change, cfg.packing.mode, K,
-                                        cfg.global_batch_size)  # fmt: skip
-            parts = list(checked)
+            parts = list(check_laned_state(state, self.config_hash, self.names,
+                                           allow_config_change, cfg.packing.mode, K,
+                                           cfg.global_batch_size))  # fmt: skip
             self.step = int(state[STEP])
-            for part in checked:
-                f = part[FEED]
-                self.rows += int(f[ROWS])
-                self.real_tokens += int(f[REAL_TOKENS])
-                placed = part[PACKER]["mixer"]["placed"]
-                for i, n in enumerate(self.names):
-                    self.docs_emitted[i] += int(f[DOCS_EMITTED].get(n, 0))
-                    self.tokens[i] += int(placed.get(n, 0))
+        # What was served since step 0: rows, real tokens, per stream tokens and documents.
+        self.rows, self.real_tokens, self.tokens, self.docs_emitted = served_before(
+            parts, self.names
+        )
         cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
         # Lanes make steps in the compact layout when this feed does; a step whose lanes
         # differ in layout (one kept labels it could not derive) is joined in full, then
@@ -123,18 +165,7 @@ class LanedFeed:
         # Documents to leave out go to every lane: each meets only its own.
         self._args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local,
                        not local, leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
-        self.lanes: list[LocalLane | ActorLane]
-        if local:
-            self.lanes = [LocalLane(LaneWorker(*a)) for a in self._args]
-        else:
-            self.lanes = []
-            try:
-                for k, a in enumerate(self._args):
-                    self.lanes.append(self._start(k, a))
-            except BaseException:
-                for lane in self.lanes:  # none left waiting to be placed
-                    lane.kill()
-                raise
+        self.lanes = self._start_lanes(local)
         # One list shared by every step it makes (a restarted lane's actor replaces its
         # entry), and the key a rank's reply names it by (`where`): unique to this feed's
         # actors, so a skip's new lanes have another.
@@ -167,15 +198,8 @@ class LanedFeed:
         # The global mixture's bookkeeping (never mixes): the same changes as every lane's
         # mixer, and `placed` what was served, so `scheduled_weights` and `realized` answer
         # here without asking the lanes.
-        self.mixer = DeficitMixer(self.names, {n: s.weight for n, s in cfg.streams.items()},
-                                  cfg.mixing.on_exhausted)  # fmt: skip
-        for entry in cfg.schedule:
-            self.mixer.schedule(entry.step, entry.weights, source="schedule")
-        if state is not None:
-            self.mixer.set_state(parts[0][PACKER]["mixer"])  # type: ignore[index]
-            if state[CONFIG_HASH] != self.config_hash:
-                self.mixer.schedule(self.step, {n: s.weight for n, s in cfg.streams.items()},
-                                    "resume")  # fmt: skip
+        self.mixer = global_mixer(cfg, self.step, parts[0], state is not None
+                                  and state[CONFIG_HASH] != self.config_hash)  # fmt: skip
         self.mixer.placed = self.tokens
         self.mixer.begin_step(self.step)
         self.finished = False
@@ -209,6 +233,21 @@ class LanedFeed:
             self._state = self._nest(states)
             self.restarts.keep(self.step, states)
         self.first_step_at: float | None = None
+
+    def _start_lanes(self, local: bool) -> list[LocalLane | ActorLane]:
+        """Every lane: in this process (`local`), else each in its actor, none left waiting to
+        be placed if one cannot be started."""
+        if local:
+            return [LocalLane(LaneWorker(*a)) for a in self._args]
+        lanes: list[LocalLane | ActorLane] = []
+        try:
+            for k, a in enumerate(self._args):
+                lanes.append(self._start(k, a))
+        except BaseException:
+            for lane in lanes:
+                lane.kill()
+            raise
+        return lanes
 
     def _start(self, k: int, args: tuple, expect: dict[int, str] | None = None) -> ActorLane:
         """Lane k's actor, with `args` (LaneWorker's), and the states it is to make (`expect`,
@@ -344,7 +383,18 @@ class LanedFeed:
                 if len(lane_made):
                     self._last[k] = lane_made
         self._confirm_changes()
-        # The next chunks are made while this one is joined and written (actors only).
+        self._ask_ahead()
+        for _, rejects in answers:
+            for reject in rejects:
+                if self.on_reject is not None:
+                    self.on_reject(reject)
+                else:
+                    self.rejects.append(reject)
+        self._join(n, [steps for steps, _ in answers])
+
+    def _ask_ahead(self) -> None:
+        """The next chunks, asked up to the depth: made while the one in hand is joined and
+        written (actors only)."""
         asked = False
         while not isinstance(self.lanes[0], LocalLane) and len(self._pending) < self.depth:
             with self._lock:  # asked and pending at once, for a restart to find
@@ -356,24 +406,14 @@ class LanedFeed:
         if self.hold and not asked:  # the depth falling back: the releases go alone
             with self._lock:
                 self._release_alone()
-        for _, rejects in answers:
-            for reject in rejects:
-                if self.on_reject is not None:
-                    self.on_reject(reject)
-                else:
-                    self.rejects.append(reject)
-        made = [steps for steps, _ in answers]
+
+    def _join(self, n: int, made: list) -> None:
+        """A chunk's `n` steps, from each lane's answer in `made`, onto the steps ready to hand
+        out, each with its state (nested) where the lanes gave one; the data ends at the first
+        step a lane lacks, or at a short one."""
         per_lane = self.cfg.global_batch_size // self.cfg.lanes
-        if self.hold:  # what the steps count, summed over the lanes at once
-            # The steps keep their lanes' answers without the states (the producer keeps
-            # each step's nested state).
-            counted = tuple(replace(lane_made, states=[]) for lane_made in made)
-            m = min(len(lane_made) for lane_made in made)
-            rows = np.stack([lane_made.rows[:m] for lane_made in made], axis=1).tolist()
-            counts = [sum(lane_made.rows[:m] for lane_made in made),
-                      sum(lane_made.real_tokens[:m] for lane_made in made),
-                      sum(lane_made.tokens[:m] for lane_made in made),
-                      sum(lane_made.docs[:m] for lane_made in made)]  # fmt: skip
+        if self.hold:
+            counted, rows, counts = held_counts(made)
         for j in range(n):
             if any(len(steps) <= j for steps in made):
                 self.finished = True  # a lane has no step here: the sequence ends before it
