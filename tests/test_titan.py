@@ -1,8 +1,9 @@
 """torchtitan on tokenmill through trainer/titan.py, on CPU: the loader against a live service
 (two data-parallel ranks; its batches are the feed's own, labels shifted one left; its DCP state
 round-trips and a resumed loader continues exactly), the refusals, and torchtitan's llama3 debug
-model with flex attention: packed rows give each document's own logits and loss through the
-Trainer's own mask building, and differ without the document mask.
+model with flex attention: packed rows, through the Trainer's own mask building and the compiled
+kernel, give each document's own logits and loss (each document alone on flex's reference
+path), and differ without the document mask.
 
 torchtitan 0.3.0 lives in the extras venv (.venv-swift, dev-extras/swift-venv.sh, which
 `./dev test` runs first); the checks run there as scripts. Without it the module is skipped.
@@ -176,11 +177,19 @@ input_dict, labels = titan_batch(batch, 2, L)
 fake = SimpleNamespace(model_config=spec.model, model_parts=[model], ntokens_seen=0,
                        parallel_dims=SimpleNamespace(cp_enabled=False),
                        config=SimpleNamespace(parallelism=SimpleNamespace(spmd_backend="partial_dtensor")))
-inputs, labels, extra = Trainer.post_dataloading_process(fake, input_dict, labels)
+with torch.no_grad():  # as the packed pass below: the mask compiles once, not twice
+    inputs, labels, extra = Trainer.post_dataloading_process(fake, input_dict, labels)
 assert sorted(extra) == ["attention_masks", "positions"], sorted(extra)
 with torch.no_grad():
     packed = model(inputs, **extra)
     loss = F.cross_entropy(packed.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+    # Each document alone, and the row without its document mask, through flex attention's
+    # reference (eager) path: the compiled kernel above is checked against it, and each of
+    # those shapes would compile anew on the CPU (44 s of a cold run; 25 s in all this way).
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torchtitan.models.common import attention as titan_attention
+    titan_attention.FlexAttention._compiled_flex_attn = flex_attention
+    titan_attention._compiled_create_block_mask = create_block_mask
     gap, alone_loss = 0.0, 0.0
     for r, ds in enumerate(docs):
         s = 0
