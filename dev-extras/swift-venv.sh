@@ -8,7 +8,8 @@
 # Idempotent: a stamp of the pins skips a venv that is already up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# --no-compile, and a .pyc kept at first import instead: the reasons are in ../dev
+# nothing byte-compiled at install, and a .pyc kept at first import instead: the reasons are in
+# ../dev
 unset PYTHONDONTWRITEBYTECODE
 PY=${PYTHON:-python3}
 VENV=${SWIFT_VENV:-.venv-swift}
@@ -17,10 +18,9 @@ want=$(cat .ci/constraints-swift.txt dev-extras/swift-venv.sh pyproject.toml | s
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 echo '*' > "$VENV/.gitignore"   # never committed (python3.13's venv writes this itself)
-"$VENV/bin/pip" install -q --upgrade pip wheel
-"$VENV/bin/pip" install -q --no-compile -c .ci/constraints-swift.txt torch torchvision
-"$VENV/bin/pip" install -q --no-compile -c .ci/constraints-swift.txt ms-swift ray pyarrow numpy
-"$VENV/bin/pip" install -q --no-compile --no-deps -c .ci/constraints-swift.txt torchtitan torchdata tyro \
+source dev-extras/install.sh  # `install VENV ARGS...`: uv, with this machine's pip settings
+install "$VENV" -c .ci/constraints-swift.txt torch torchvision ms-swift ray pyarrow numpy
+install "$VENV" --no-deps -c .ci/constraints-swift.txt torchtitan torchdata tyro \
     docstring-parser typeguard spmd_types
-"$VENV/bin/pip" install -q --no-deps -e .
+install "$VENV" --no-deps -e .
 echo "$want" > "$stamp"
