@@ -316,7 +316,7 @@ def run_export(
             want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
             batches = feed.steps(want, state_every)
             for batch, state in batches:
-                if isinstance(batch, LanedStep):
+                if feed.hold:  # the step's rows are in the lanes, some of its files too
                     files.from_lanes(batch, state, feed)  # type: ignore[arg-type]
                     feed.release(batch.step + 1)
                 else:

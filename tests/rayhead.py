@@ -23,9 +23,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def patient(seconds: float) -> float:
+    """A deadline for a process to start (a Ray head, a service), given as it is on a quiet
+    machine, stretched by how busy this one is: times its 1-minute load per core, from 1 to 5.
+    Two busy loops beside the suite on 2 cores put a `ray start --head` past 90 s."""
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * min(5.0, max(1.0, load))
+
+
 def wait_listening(port: int, timeout: float = 120.0, alive=None) -> None:
-    """Until something listens on `port`; ChildProcessError if `alive` (a Popen) exits first."""
-    deadline = time.time() + timeout
+    """Until something listens on `port` (`timeout` as `patient` stretches it); ChildProcessError
+    if `alive` (a Popen) exits first."""
+    deadline = time.time() + patient(timeout)
     while time.time() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=2):
@@ -38,10 +47,11 @@ def wait_listening(port: int, timeout: float = 120.0, alive=None) -> None:
 
 
 def wait_http(url: str, timeout: float = 120.0) -> dict:
+    """The JSON `url` answers, once it answers (`timeout` as `patient` stretches it)."""
     import json
     import urllib.request
 
-    deadline = time.time() + timeout
+    deadline = time.time() + patient(timeout)
     while time.time() < deadline:
         try:
             with urllib.request.urlopen(url, timeout=2) as r:

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import ray_head, serve_process
+from tests.rayhead import patient, ray_head, serve_process
 from tests.test_serve import CONSUMER
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def foreign():
     token.chmod(0o600)
     env = BASE_ENV | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     with ray_head(env, temp=f"{root}/ray") as head:
-        deadline = time.time() + 60  # `ray start` writes it once the head is up
+        deadline = time.time() + patient(60)  # `ray start` writes it once the head is up
         while not (Path(root) / "ray" / "ray_current_cluster").exists():
             assert time.time() < deadline, "the foreign cluster did not come up"
             time.sleep(0.5)
