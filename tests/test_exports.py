@@ -4,6 +4,7 @@ together (issue 15: honest figures from process start)."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -132,9 +133,17 @@ def test_a_head_start_gives_the_same_blocks_each_unit_made_once(tmp_path, execut
 
     cfg, units, stream, plain = _small_units(tmp_path)
     made: dict[str, list[int]] = {"local": [], "executor": []}
+    # After its first unit, the local side makes the next only once the executor has begun:
+    # on a loaded machine the local thread could otherwise claim every unit before the
+    # executor's thread first ran (a fresh-clone CI failed "both took part" so).
+    executor_began = threading.Event()
 
     def side(name, delay):
         def run(us, st, tok):
+            if name == "executor":
+                executor_began.set()
+            elif made["local"]:
+                executor_began.wait(60)
             made[name] += [u.index for u in us]
             for block in iter_blocks_local(us, st, tok):
                 time.sleep(delay)  # a slow start, as Ray's workers have
