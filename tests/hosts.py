@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.rayhead import patient
+
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
 GCS_PORT = 6379  # every host has ports of its own: Ray's defaults clash with nobody
@@ -92,7 +94,7 @@ class Host:
                 ["ip", "netns", "exec", self.ns, "unshare", "--pid", "--fork", "--mount-proc",
                  "sleep", "infinity"], start_new_session=True,
             )  # fmt: skip
-            deadline = time.time() + 10
+            deadline = time.time() + patient(10)
             while self.init is None:
                 import psutil
 
@@ -183,7 +185,9 @@ class Hosts:
         )  # fmt: skip
 
     def wait_nodes(self, n: int, host: str, timeout: float = 180) -> list[dict]:
-        """Wait until `n` Ray nodes are alive, asking from `host`; returns them."""
+        """Wait until `n` Ray nodes are alive, asking from `host` (`timeout` as `patient`
+        stretches it); returns them."""
+        timeout = patient(timeout)
         r = self.python(host, NODES, f"{self['head'].ip}:{GCS_PORT}", str(n), str(timeout),
                         timeout=timeout + 60)  # fmt: skip
         if r.returncode:

@@ -18,6 +18,7 @@ import pytest
 from pipeline.read.resolve import parse_config
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 from trainer.adapters import load_feed_state
 
 pytestmark = pytest.mark.slow
@@ -121,7 +122,7 @@ def test_a_stop_drains_hf_ranks_under_torchrun_into_a_last_checkpoint(ray_cluste
     actor = start_server(cfg, name=name, prefetch=4)
     try:
         proc = _launch(name, address, tmp_path / "s", 1000, save_steps=500)
-        deadline = time.time() + 300
+        deadline = time.time() + patient(300)
         while True:  # both ranks training
             ranks = ray.get(actor.metrics.remote(), timeout=30)["ranks"]
             if len(ranks) == 2 and all((v.get("consumed_step") or 0) >= 3 for v in ranks.values()):

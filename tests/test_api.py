@@ -11,6 +11,7 @@ from service.api import Backend, create_app
 from service.batch_server import BatchServer, StepGone
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.helpers import resolved
+from tests.rayhead import patient
 from wire.arrays import from_ipc
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ def server(ray_cluster, tmp_path):
                         "streams": {"web": {"paths": [str(tmp_path / "a.jsonl")], "weight": 0.6},
                                     "code": {"paths": [str(tmp_path / "b.jsonl")], "weight": 0.4}}})  # fmt: skip
     srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
-    deadline = time.time() + 60
+    deadline = time.time() + patient(60)
     while srv.status()["global_step"] < 3 and time.time() < deadline:
         time.sleep(0.2)
     yield srv
@@ -278,7 +279,7 @@ def test_a_stall_shows_while_it_happens_and_what_the_trainers_take(server, clien
     assert re.search(r'tokenmill_rank_waiting_seconds\{rank="0"\} [0-9.]+', prom)
     assert "tokenmill_stalled 1.0" in prom and "tokenmill_consumed_tokens_per_second" in prom
     assert client.post("/v1/resume", headers=AUTH).status_code == 200
-    deadline = time.time() + 60
+    deadline = time.time() + patient(60)
     while not server.get(0, 1, held, 1.0).ready:
         assert time.time() < deadline
     st = client.get("/v1/status").json()

@@ -14,6 +14,7 @@ import yaml
 
 from tests import hosts as hostlib
 from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 pytestmark = pytest.mark.slow
 API_PORT = 8000
@@ -108,7 +109,8 @@ def test_a_waiting_rank_makes_the_autoscaler_add_a_node_that_the_pool_grows_onto
         rank = head.run([sys.executable, "-c", RANK, address, str(rank_log), str(stop),
                          str(STEP_S)], logs / "rank.log", env=env, cwd=tmp_path)  # fmt: skip
 
-        r = hosts.python("head", WATCH, base, address, "240", env=env, timeout=300)
+        watch = patient(240)
+        r = hosts.python("head", WATCH, base, address, str(watch), env=env, timeout=watch + 60)
         assert r.returncode == 0, r.stderr[-3000:] + hosts.tails()
         assert rank.poll() is None, hosts.tails(4000)
         seen = json.loads(r.stdout.strip().splitlines()[-1])
@@ -116,7 +118,7 @@ def test_a_waiting_rank_makes_the_autoscaler_add_a_node_that_the_pool_grows_onto
         asked_at = scale["changes"][0]["t"]
         time.sleep(AFTER_S)  # the rank with the pool on both data nodes
         stop.touch()
-        rank.wait(timeout=120)
+        rank.wait(timeout=patient(120))
         assert rank.returncode == 0, hosts.tails(4000)
     change = scale["changes"][0]
     assert change["error"] is None and change["requested_cpus"] == 2, change

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from service.demand import WINDOW_S, Demand, producer_shares
+from tests.rayhead import patient
 
 
 def test_producer_shares_weigh_each_state_by_how_long_it_lasted():
@@ -69,7 +70,7 @@ def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_clus
     srv = BatchServer(cfg.model_dump(mode="json"), prefetch=2)
     try:
         srv.hello(0, 1)
-        deadline, step = time.time() + 120, 0
+        deadline, step = time.time() + patient(120), 0
         while time.time() < deadline and not srv.status()["autoscale"]["changes"]:
             if srv.get(0, 1, step, 1.0).ready:
                 step += 1
@@ -107,7 +108,7 @@ def test_the_autoscale_thread_asks_renews_and_withdraws_its_request():
     scaler = Autoscaler(d, waits=lambda: {0: 30.0}, observed=lambda: making,
                         place=lambda: placed.append, cluster=cluster, tick_s=0.01)  # fmt: skip
     try:
-        deadline = time.time() + 30
+        deadline = time.time() + patient(30)
         while time.time() < deadline and placed.count(5) < 3:
             time.sleep(0.01)
     finally:

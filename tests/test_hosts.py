@@ -15,6 +15,7 @@ import pytest
 
 from tests import hosts as hostlib
 from tests.conftest import fresh_cache
+from tests.rayhead import patient
 from tests.test_nodes import RANKS, STEPS, assert_rows_are_the_export, lost_node_config
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ API_TOKEN = "t" * 40
 # it saw. Waits until both lanes say where they run.
 PROBE = r"""
 import json, sys, time, urllib.request, urllib.error
-base, token, want = sys.argv[1], sys.argv[2], sys.argv[3]
+base, token, want, wait = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
 def get(path, data=None, auth=None):
     req = urllib.request.Request(base + path, data=data, method="POST" if data is not None else "GET")
     if auth:
@@ -35,7 +36,7 @@ def get(path, data=None, auth=None):
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
         return e.code, None
-deadline = time.time() + 180
+deadline = time.time() + wait
 while True:
     try:
         code, m = get("/v1/metrics")
@@ -57,7 +58,8 @@ print(json.dumps(out))
 
 def _probe(hosts, want: str = "") -> dict:
     base = f"http://{hosts['head'].ip}:{API_PORT}"
-    r = hosts.python("trainer", PROBE, base, API_TOKEN, want, timeout=240)
+    wait = patient(180)
+    r = hosts.python("trainer", PROBE, base, API_TOKEN, want, str(wait), timeout=wait + 60)
     assert r.returncode == 0, r.stderr[-3000:] + hosts.tails()
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -85,7 +87,7 @@ def test_ranks_on_a_trainer_host_pull_from_lanes_on_data_hosts_and_survive_a_los
         assert set(placed) == data_ips, (placed, data_ips)  # spread, one lane a data host
         assert (seen["no_token"], seen["pause"], seen["resume"]) == (401, 200, 200), seen
 
-        status = hosts.python("trainer", STATUS, address, env=trainer_env, timeout=120)
+        status = hosts.python("trainer", STATUS, address, env=trainer_env, timeout=patient(120))
         assert status.returncode == 0, status.stderr[-3000:]
         assert "service   multi" in status.stdout, status.stdout
         assert not (tmp_path / "trainer-cache").exists() or not any(
@@ -95,14 +97,14 @@ def test_ranks_on_a_trainer_host_pull_from_lanes_on_data_hosts_and_survive_a_los
         out = tmp_path / "rows.npz"
         ranks = trainer.run([sys.executable, "-c", RANKS, address, "multi", str(STEPS), str(out),
                              "0.02"], logs / "ranks.log", env=trainer_env, cwd=tmp_path)  # fmt: skip
-        deadline = time.time() + 180
+        deadline = time.time() + patient(180)
         while not all(Path(f"{out}.at10.{r}").exists() for r in range(2)):  # 10 steps in
             assert time.time() < deadline and ranks.poll() is None, hosts.tails(4000)
             time.sleep(0.1)
         lost = next(h for h in hosts.hosts.values() if h.ip == placed[0])
         lost.kill()  # every process of the host: its raylet, object store, lane
         Path(f"{out}.go").touch()
-        ranks.wait(timeout=300)
+        ranks.wait(timeout=patient(300))
         assert ranks.returncode == 0, hosts.tails(4000)
         after = json.loads(hosts.python("trainer", METRICS, f"http://{head.ip}:{API_PORT}").stdout)
     assert {r["lane"] for r in after["lanes_restarted"]} == {0}, after["lanes_restarted"]

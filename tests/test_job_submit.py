@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.rayhead import RAY, free_port, ray_head, wait_http
+from tests.rayhead import RAY, free_port, patient, ray_head, wait_http
 from tests.test_serve import CONSUMER
 
 pytestmark = pytest.mark.slow
@@ -104,7 +104,7 @@ def test_job_submit_as_the_readme_says(head, clone, tmp_path):
         "RAY_AUTH_TOKEN_PATH": head["token_path"],
         "TOKENMILL_API_TOKEN": api_token,
     }
-    deadline = time.time() + 240
+    deadline = time.time() + patient(240)
     while True:  # the job server and agent come up a little after the dashboard port opens
         submit = subprocess.run(["bash", "-c", command], cwd=clone, capture_output=True,
                                 text=True, timeout=180, env=env)  # fmt: skip
@@ -121,7 +121,7 @@ def test_job_submit_as_the_readme_says(head, clone, tmp_path):
         return r.stdout[-4000:] + r.stderr[-2000:]
 
     try:
-        deadline = time.time() + 180
+        deadline = time.time() + patient(180)
         while True:
             try:
                 wait_http(f"http://127.0.0.1:{port}/healthz", timeout=20)

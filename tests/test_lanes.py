@@ -22,6 +22,7 @@ from pipeline.state.resume import StateError, check_laned_state, seal
 from service.export import run_export, step_path
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.helpers import reassemble, rows_of
+from tests.rayhead import patient
 from wire.layout import read_step
 
 
@@ -803,7 +804,7 @@ def _kill(actor) -> None:
     import ray
 
     ray.kill(actor)
-    deadline = time.time() + 60
+    deadline = time.time() + patient(60)
     while True:
         try:
             ray.get(actor.process.remote(), timeout=2.0)
@@ -839,7 +840,7 @@ def test_a_lane_killed_under_a_service_fails_it_by_name(small, ray_cluster):
         _kill(srv.feed.lanes[1].handle)
         with pytest.raises(LaneGone, match="is gone"):
             resolved(srv, reply, 0, 1)
-        deadline, step = time.time() + 60, 1 + reply.steps
+        deadline, step = time.time() + patient(60), 1 + reply.steps
         with pytest.raises(RuntimeError, match="lane 1 of 2 failed"):
             while time.time() < deadline:
                 if (r := srv.get(0, 1, step, 2.0)).ready:

@@ -10,6 +10,7 @@ import service.batch_server
 from pipeline.read.resolve import parse_config
 from service.batch_server import BatchServer
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 pytestmark = pytest.mark.slow
 PREFETCH = 3
@@ -35,7 +36,7 @@ def server(ray_cluster, tmp_path, monkeypatch):
 
 
 def _produced(srv, n: int) -> None:
-    deadline = time.time() + 60
+    deadline = time.time() + patient(60)
     while srv.status()["global_step"] < n:
         assert time.time() < deadline, "the producer made too few steps"
         time.sleep(0.05)

@@ -18,7 +18,7 @@ import yaml
 from pipeline.read.resolve import parse_config
 from service.serve import start_server
 from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
-from tests.rayhead import free_port, wait_http
+from tests.rayhead import free_port, patient, wait_http
 from trainer.feed import Feed
 
 pytestmark = pytest.mark.slow
@@ -147,7 +147,7 @@ def test_end_of_data_reaches_each_rank_after_its_last_step(served, tmp_path):
     actor = served(make_cfg(tmp_path, docs=10, repeat=1), name)
     feeds = [Feed.connect(service=name, rank=r, world_size=2) for r in range(2)]
     first = [next(f)["global_step"] for f in feeds]
-    deadline = time.time() + 60
+    deadline = time.time() + patient(60)
     while ray.get(actor.status.remote())["producer"] != "ended":
         assert time.time() < deadline
         time.sleep(0.2)

@@ -18,7 +18,7 @@ import yaml
 from pipeline.read.resolve import parse_config
 from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
 from tests.nodes import nodes
-from tests.rayhead import serve_process
+from tests.rayhead import patient, serve_process
 from tests.test_ranks import exported
 
 pytestmark = pytest.mark.slow
@@ -126,13 +126,13 @@ def test_lanes_spread_over_data_nodes_and_a_lost_node_loses_no_step(tmp_path):
         out = tmp_path / "rows.npz"
         ranks = subprocess.Popen([sys.executable, "-c", RANKS, c.address, "multi", str(STEPS),
                                   str(out), "0.02", str(WORLD)], env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        deadline = time.time() + 120
+        deadline = time.time() + patient(120)
         while not all(Path(f"{out}.at10.{r}").exists() for r in range(WORLD)):  # 10 steps in
             assert time.time() < deadline and ranks.poll() is None, "the ranks did not start"
             time.sleep(0.1)
         c.remove(placed[0])
         Path(f"{out}.go").touch()
-        _, err = ranks.communicate(timeout=300)
+        _, err = ranks.communicate(timeout=patient(300))
         assert ranks.returncode == 0, err[-3000:] + svc["log"].read_text()[-3000:]
         m = _metrics(svc["port"])
         # Lane 0 only (twice at most: a lane started again while the lost node is still

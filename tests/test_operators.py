@@ -19,7 +19,7 @@ from pipeline.config import ConfigError
 from pipeline.read.resolve import parse_config
 from service.serve import PortTaken, bind_api
 from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
-from tests.rayhead import free_port, wait_http
+from tests.rayhead import free_port, patient, wait_http
 from wire.protocol import check_service_name
 
 BAD_NAMES = ["../x", "../../tmp/evil", "a/b", "/abs", ".", "..", ".hidden", "", "x" * 65,
@@ -129,7 +129,7 @@ def test_serve_on_port_0_records_and_reports_the_port_it_bound(tmp_path):
                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         record = tmp_path / "cache" / "services" / f"{name}.json"
-        deadline = time.time() + 120
+        deadline = time.time() + patient(120)
         while "api" not in (json.loads(record.read_text()) if record.exists() else {}):
             assert time.time() < deadline and serve.poll() is None, "serve did not record its API"
             time.sleep(0.2)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import free_port, serve_process, wait_http
+from tests.rayhead import free_port, patient, serve_process, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +90,7 @@ def busy_service(service):
     base = f"http://127.0.0.1:{service['port']}"
     feed = Feed.connect(service=service["name"], rank=0, world_size=1, address=service["address"])
     try:
-        deadline, pulled = time.time() + 90, 0
+        deadline, pulled = time.time() + patient(90), 0
         while time.time() < deadline:
             try:
                 next(feed)
@@ -448,7 +448,7 @@ def test_page_shows_each_lane_the_slowest_a_restart_and_one_waiting_to_be_placed
         "lanes_restarted": [{"lane": 1, "step": 960, "steps": 128, "reason": "ActorDiedError",
                              "at": time.time(), "restart": 1}],
     }  # fmt: skip
-    deadline = time.time() + 30
+    deadline = time.time() + patient(30)
     while (view := browser.execute_script(LANES_VIEW))["drawn"] != 2:
         assert time.time() < deadline, f"the page did not show the lanes: {view}"
         time.sleep(0.5)

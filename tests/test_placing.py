@@ -12,6 +12,7 @@ import pytest
 from pipeline.lanes import LaneError
 from pipeline.read.resolve import parse_config
 from tests.conftest import TEST_SLOTS, stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_a_batch_server_no_node_can_hold_fails_naming_it_and_frees_its_name(stre
     with pytest.raises(NotPlaced, match=f"the batch server '{name}' was not placed") as e:
         start_server(cfg, name=name)
     assert "no node of the cluster has that much" in str(e.value)
-    deadline = time.time() + 30
+    deadline = time.time() + patient(30)
     while time.time() < deadline:  # killed: the name is free for the next `serve`
         try:
             ray.get_actor(name, namespace="tokenmill")
@@ -93,7 +94,7 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
         assert resolved(srv, srv.get(0, 1, 0, 120.0), 0, 1).runs
         service = srv.feed.cfg.service.model_copy(update={"place_timeout_s": 3.0})
         srv.feed.cfg = srv.feed.cfg.model_copy(update={"service": service})
-        deadline = time.time() + 30
+        deadline = time.time() + patient(30)
         while srv.producer.window.room():  # the producer waits for the rank
             assert time.time() < deadline, "the window did not fill"
             time.sleep(0.05)
@@ -111,7 +112,7 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
         assert ray.get(blocker.ping.remote(), timeout=30)
         failed = "lane 1 of 2 was not placed and started within 3 s"
         if who == "producer":
-            step, deadline = 1, time.time() + 60
+            step, deadline = 1, time.time() + patient(60)
             with pytest.raises(RuntimeError, match=failed):
                 while time.time() < deadline:
                     if (r := srv.get(0, 1, step, 2.0)).ready:
@@ -122,7 +123,7 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
             view = srv.feed.lane_view()  # metrics `lanes`: lane 1 waits to be placed
             assert view[1]["pid"] is None and view[1]["waiting_s"] >= 0
             assert view[0]["pid"] is not None and view[0]["waiting_s"] is None
-            deadline = time.time() + 30
+            deadline = time.time() + patient(30)
             while not srv.status()["error"]:
                 assert time.time() < deadline, "the unplaced lane did not fail the service"
                 time.sleep(0.2)

@@ -14,6 +14,7 @@ from pipeline.read.resolve import parse_config
 from pipeline.stages.policy import LOSSES, decide, project, window_for, windows_after
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.helpers import take
+from tests.rayhead import patient
 
 BASE = {"code": 0.7, "prose": 0.3}
 
@@ -179,7 +180,7 @@ def test_a_trainer_that_never_reports_is_told_not_waited_for(tmp_path, ray_clust
         reply = srv.get(0, 1, 5, 1.0)
         assert not reply.ready and "loss of steps 0-2" in reply.reason
         assert srv.metrics()["producer"] == "waiting_for_loss"
-        deadline = time.time() + 30
+        deadline = time.time() + patient(30)
         with pytest.raises(RuntimeError, match=r"loss of steps 0-2 is not complete after 3 s"):
             while time.time() < deadline:
                 srv.get(0, 1, 5, 1.0)

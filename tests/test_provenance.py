@@ -19,6 +19,7 @@ from service.api import Backend, create_app
 from service.batch_server import BatchServer
 from service.export import run_export
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 TOKEN = "pr0v-token"
 EOT = "<|endoftext|>"
@@ -103,7 +104,7 @@ def test_a_running_server_answers_for_held_and_released_steps(run, ray_cluster, 
     srv = BatchServer(cfg.model_dump(mode="json"), prefetch=3)
     try:
         for step in range(6):  # one rank of one takes steps 0..5: 0..2 are released
-            deadline = time.time() + 60
+            deadline = time.time() + patient(60)
             while not srv.get(0, 1, step, 1.0).ready:
                 assert time.time() < deadline
         assert 0 not in srv.window.steps and 6 in srv.window.steps or srv.window.produced <= 6

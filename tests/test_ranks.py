@@ -19,6 +19,7 @@ from pipeline.read.resolve import parse_config
 from service.export import run_export
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 from trainer.feed import Feed
 from wire.layout import read_step
 from wire.protocol import TENSOR_COLUMNS
@@ -125,7 +126,7 @@ def test_late_out_of_order_ranks_with_accumulation_equal_the_export(served, tmp_
     ]
     for t in threads:
         t.start()
-    deadline = time.time() + 30
+    deadline = time.time() + patient(30)
     while len(got[1]) < 2 and time.time() < deadline:
         time.sleep(0.05)
     time.sleep(1.0)
@@ -198,7 +199,7 @@ def test_a_lanes_process_killed_mid_run_loses_and_repeats_nothing(served, tmp_pa
                for r in range(world)]  # fmt: skip
     for t in threads:
         t.start()
-    deadline = time.time() + 120
+    deadline = time.time() + patient(120)
     while min(len(g) for g in got.values()) < 8:
         assert time.time() < deadline, "the ranks did not start"
         time.sleep(0.05)
@@ -237,7 +238,7 @@ def test_64_ranks_pull_while_the_api_answers(served, tmp_path):
     out = tmp_path / "ranks.npz"
     gcs = ray.get_runtime_context().gcs_address
     ranks = subprocess.Popen([sys.executable, "-c", RANKS, gcs, name, str(world), str(steps), str(out)])  # fmt: skip
-    latencies, errors, deadline = [], [], time.time() + 240
+    latencies, errors, deadline = [], [], time.time() + patient(240)
     while ranks.poll() is None or len(latencies) < 20:
         if time.time() > deadline:
             ranks.kill()

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import serve_process, wait_http
+from tests.rayhead import patient, serve_process, wait_http
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +72,7 @@ def test_serve_writes_skipped_records_to_the_rejects_file(service, ray_cluster, 
     from trainer.feed import Feed
 
     feed = Feed.connect(service=service["name"], rank=0, world_size=1, timeout_s=30)
-    deadline = time.time() + 120
+    deadline = time.time() + patient(120)
     path = tmp_path / "rejects.jsonl"
     while not (path.exists() and len(path.read_text().splitlines()) >= 2):
         assert time.time() < deadline, "no rejects file"

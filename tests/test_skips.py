@@ -17,6 +17,7 @@ from pipeline.read.reading import iter_blocks_local
 from pipeline.state.resume import StateError, check_state, seal
 from tests.conformance import batch_bytes
 from tests.helpers import take
+from tests.rayhead import patient
 from tests.test_export import config
 
 
@@ -331,7 +332,7 @@ def test_a_live_skip_while_four_ranks_pull_and_the_api_reads(corpus, ray_cluster
     try:
         for t in (*threads, watcher):
             t.start()
-        deadline = time.time() + 60
+        deadline = time.time() + patient(60)
         while srv.status()["global_step"] < 4:
             assert time.time() < deadline
             time.sleep(0.05)

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.conftest import fresh_cache, stdlib_texts, write_jsonl
-from tests.rayhead import free_port
+from tests.rayhead import free_port, patient
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_stop_drains_and_never_kills_the_trainers(tmp_path, now):
         # Trainers launched together with serve: once it has claimed its record (at once,
         # before its Ray starts), they wait for it to come up instead of failing.
         record = tmp_path / "cache" / "services" / f"{name}.json"
-        deadline = time.time() + 60
+        deadline = time.time() + patient(60)
         while not record.exists():
             assert time.time() < deadline and serve.poll() is None, log.read_text()[-2000:]
             time.sleep(0.05)
@@ -70,7 +70,7 @@ def test_stop_drains_and_never_kills_the_trainers(tmp_path, now):
         outs = [tmp_path / f"rank{r}.json" for r in range(2)]
         ranks = [subprocess.Popen([sys.executable, "-c", RANK, name, str(r), str(outs[r]), "0.3"],
                                   env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]  # fmt: skip
-        deadline = time.time() + 180
+        deadline = time.time() + patient(180)
         while not all(o.with_suffix(".json.started").exists() for o in outs):
             assert time.time() < deadline and all(p.poll() is None for p in ranks), "ranks stuck"
             time.sleep(0.1)

@@ -10,6 +10,7 @@ import ray
 import torch
 
 from service.losses import StreamLosses
+from tests.rayhead import patient
 from trainer.feed import stream_loss
 
 
@@ -98,7 +99,7 @@ def test_hf_trainer_reports_loss_per_stream_that_adds_up_to_its_loss(ray_cluster
         trainer = FeedTrainer(model=tiny_llama(TOKENIZER_VOCAB), args=args,
                               train_dataset=FeedDataset(service=name, stream_loss=True))  # fmt: skip
         trainer.train()
-        deadline = time.time() + 30
+        deadline = time.time() + patient(30)
         while True:  # the reports are fire and forget: the last may still be on its way
             view = ray.get(actor.metrics.remote())["stream_loss"]
             if len(view["history"]) == 4 or time.time() > deadline:
