@@ -1003,3 +1003,38 @@ def test_a_chunks_held_counts_and_a_resumes_served_figures_sum_over_the_lanes(st
     resumed = global_mixer(cfg, 12, {"packer": {"mixer": fresh.get_state()}}, changed=True)
     assert resumed.scheduled_weights(10).tolist() == [1.0, 0.0]  # the changes made so far
     assert resumed.scheduled_weights(12).tolist() == [0.7, 0.3]  # a changed config's, from 12
+
+
+def test_a_lane_group_answers_shows_and_names_a_failed_lane_without_ray(streams):
+    """The lanes as the control holds them (lanes/group.py), in this process: each answers,
+    each is shown with its process, and one that fails otherwise than by its process dying is
+    not started again but fails by name (what the feed raises)."""
+    import os
+    import threading
+
+    from pipeline.lanes.group import LaneGroup
+
+    cfg = config(streams, 2)
+    cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
+    args = [(cfg_json, k, None, False, True, True, False) for k in range(2)]
+    asked: list = []
+    group = LaneGroup(cfg, args, local=True, hold=False, restarts=3, state_every=1,
+                      lock=threading.RLock(), in_flight=lambda: asked.append(1) or ([], 0, []))  # fmt: skip
+    try:
+        assert len(group) == 2 and group.handles == [None, None]
+        assert group.restarts.limit == 0  # restarts are for holding lanes (actors) only
+        states = [group.ask(k, "state") for k in range(2)]
+        assert [s.unpack()["feed"]["rows"] for s in states] == [0, 0]
+        view = group.view()
+        assert [v["lane"] for v in view] == [0, 1]
+        assert {v["pid"] for v in view} == {os.getpid()} and {v["restarts"] for v in view} == {0}
+        assert len(group.summaries()) == 2
+
+        error = ValueError("a record the lane could not read")
+        assert group.restart(1, group.lanes[1], error) is False  # not a death: no restart
+        assert asked == []  # nothing in flight was asked again
+        failure = str(group.failure(1, error))
+        assert failure == "lane 1 of 2 failed: a record the lane could not read"
+    finally:
+        group.close()
+    assert group.closed

@@ -30,9 +30,11 @@ but the one that writes them (an export) or serves them.
 
 The package, one concern a module: `depth` (how far ahead the control asks), `steps` (what a
 lane answers and a rank is told), `worker` (a lane's own process), `handles` (a lane as the
-control calls it), `restart` (a dead lane started again from its state), `placing` (an actor no node can
-hold fails the run, naming it), `figures` (a run's
-figures joined from the lanes'), `feed` (`LanedFeed`, the control's side).
+control calls it), `group` (the K lanes as the control holds them: started, called, started
+again, shown), `restart` (what is kept to start a dead lane again from its state), `placing`
+(an actor no node can hold fails the run, naming it), `figures` (a run's figures joined from
+the lanes'), `feed` (`LanedFeed`, the control's side: the lanes asked ahead, their answers
+joined into global steps).
 """
 
 from pipeline.lanes.depth import (

@@ -1,12 +1,11 @@
 """The control's side of lanes: `LanedFeed`, the global steps of a config with `lanes` K > 1,
 joined from K lane feeds (lanes/worker.py) that it asks ahead, a chunk of steps at a time
-(lanes/depth.py), and starts again when one's process dies (lanes/restart.py)."""
+(lanes/depth.py). The lanes themselves, started, called and started again when one's process
+dies, are a `LaneGroup` (lanes/group.py)."""
 
 from __future__ import annotations
 
 import collections
-import contextlib
-import sys
 import threading
 import time
 import uuid
@@ -28,11 +27,10 @@ from pipeline.lanes.depth import (
     steps_per_call,
 )
 from pipeline.lanes.figures import joined_read, joined_summary
-from pipeline.lanes.handles import ActorLane, LocalLane, lane_died
-from pipeline.lanes.placing import NotPlaced, not_placed
-from pipeline.lanes.restart import Restarts, Sent
-from pipeline.lanes.steps import LanedStep, LaneError, LaneMade, Receipt, Writes, served_counts
-from pipeline.lanes.worker import LaneWorker
+from pipeline.lanes.group import LaneGroup
+from pipeline.lanes.handles import LocalLane
+from pipeline.lanes.restart import Sent
+from pipeline.lanes.steps import LanedStep, LaneMade, Receipt, Writes, served_counts
 from pipeline.stages.documents import Reject
 from pipeline.stages.mixing import DeficitMixer
 from pipeline.stages.policy import window_for
@@ -52,7 +50,7 @@ from pipeline.state.resume import (
 )
 from pipeline.state.summary import RunSummary, RunTotals, totals_of
 from wire.arrays import from_ipc
-from wire.lane_rows import TAKE_GROUP, TAKE_THREADS, join_parts
+from wire.lane_rows import join_parts
 
 
 def served_before(parts: list[dict | None], names: list[str]
@@ -158,40 +156,12 @@ class LanedFeed:
         self.rows, self.real_tokens, self.tokens, self.docs_emitted = served_before(
             parts, self.names
         )
-        cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
-        # Lanes make steps in the compact layout when this feed does; a step whose lanes
-        # differ in layout (one kept labels it could not derive) is joined in full, then
-        # compacted again (`_join`).
-        # Documents to leave out go to every lane: each meets only its own.
-        self._args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local,
-                       not local, leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
-        self.lanes = self._start_lanes(local)
-        # One list shared by every step it makes (a restarted lane's actor replaces its
-        # entry), and the key a rank's reply names it by (`where`): unique to this feed's
-        # actors, so a skip's new lanes have another.
-        self.handles = [getattr(lane, "handle", None) for lane in self.lanes]
-        # A holding lane whose process died is started again from its state at the oldest
-        # step it held, up to `restarts` times per lane (`restart`; service.lane_restarts):
-        # the steps it made are made again, the same (lanes/restart.py). Lanes give states
-        # at every step only with `state_every` 1.
-        self.restarts = Restarts(restarts if self.hold and state_every == 1 else 0)
-        self._closed = False  # closed, or replaced by a skip: no restart
-        self.key = uuid.uuid4().hex
-        # The steps each lane held when it last answered (holding lanes): metrics `lanes`.
-        self._last: list[Receipt | LaneMade] = [
-            Receipt(0, 0, [], [])
-        ] * K  # each lane's latest receipt
+        self.key = uuid.uuid4().hex  # what a rank's reply names this feed's lanes by (`where`)
         # The seconds `next_step` waited for the lanes' answers (metrics `lanes_waited_s`):
-        # a step waits for its slowest lane, the one whose making time keeps pace (`_last`).
+        # a step waits for its slowest lane, the one whose making time keeps pace.
         self.waited_s = 0.0
         self.rejects: list[Reject] = []
         self.on_reject = on_reject
-        # False (the batch server): `summary` answers with the lanes' last summaries and asks
-        # again in the background, so a metrics call never waits on a lane busy making steps
-        # (what was served is counted here, always current; what was read lags one call).
-        self.wait_for_figures = wait_for_figures
-        self._summaries: list | None = None
-        self._asking: list | None = None
         # The batch server calls set_weights from its control thread while its producer
         # thread makes steps: the lock orders the lanes' calls and guards the bookkeeping.
         self._lock = threading.RLock()
@@ -220,56 +190,41 @@ class LanedFeed:
         # most of a run of ranks taking a step per 50 ms (`bench.lane_restart --step-ms 50`).
         self.ranks_behind = False
         self._most_depth = most_in_flight(cfg)
-        self._making = [(0.0, 0.0)] * K  # each lane's making_s, making_process_s last answered
         self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
+        cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
+        # Lanes make steps in the compact layout when this feed does; a step whose lanes
+        # differ in layout (one kept labels it could not derive) is joined in full, then
+        # compacted again (`_join`). Documents to leave out go to every lane: each meets only
+        # its own.
+        args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local,
+                 leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
+        # A holding lane whose process died is started again from its state at the oldest
+        # step it held, up to `restarts` times per lane (service.lane_restarts): the steps it
+        # made are made again, the same (lanes/restart.py). `wait_for_figures` False (the
+        # batch server): `summary` answers with the lanes' last summaries and asks again in
+        # the background, so a metrics call never waits on a lane busy making steps (what was
+        # served is counted here, always current; what was read lags one call).
+        self.group = LaneGroup(cfg, args, local=local, hold=self.hold, restarts=restarts,
+                               state_every=state_every, lock=self._lock,
+                               in_flight=self._in_flight,
+                               wait_for_figures=wait_for_figures)  # fmt: skip
         # The state after the last step handed out; at the start, the lanes' own.
         self._state: Nested | None = None
         if state_every:
             try:
-                states = [self._call_lane(k, "state") for k in range(K)]
+                states = [self.group.ask(k, "state") for k in range(K)]
             except BaseException:
                 self.close()  # no lane is left waiting to be placed, or holding its reads
                 raise
             self._state = self._nest(states)
-            self.restarts.keep(self.step, states)
+            self.group.restarts.keep(self.step, states)
         self.first_step_at: float | None = None
 
-    def _start_lanes(self, local: bool) -> list[LocalLane | ActorLane]:
-        """Every lane: in this process (`local`), else each in its actor, none left waiting to
-        be placed if one cannot be started."""
-        if local:
-            return [LocalLane(LaneWorker(*a)) for a in self._args]
-        lanes: list[LocalLane | ActorLane] = []
-        try:
-            for k, a in enumerate(self._args):
-                lanes.append(self._start(k, a))
-        except BaseException:
-            for lane in lanes:
-                lane.kill()
-            raise
-        return lanes
-
-    def _start(self, k: int, args: tuple, expect: dict[int, str] | None = None) -> ActorLane:
-        """Lane k's actor, with `args` (LaneWorker's), and the states it is to make (`expect`,
-        a restart's). Its first call that waits for an answer waits for it to be placed and
-        started, up to `service.place_timeout_s` (lanes/placing.py)."""
-        import ray
-
-        # Holding lanes hand out rows on threads of their own (`take`), beside the one
-        # thread (the default group) that makes steps, changes weights and gives states.
-        groups = {"concurrency_groups": {TAKE_GROUP: TAKE_THREADS}} if self.hold else {}
-        actor = ray.remote(num_cpus=0, max_restarts=0, **groups)(  # type: ignore[call-overload]
-            LaneWorker
-        )
-        resources = self.cfg.service.resources
-        # SPREAD: the lanes go to different nodes of those that can hold them (the data nodes,
-        # with `service.resources`), not wherever the scheduler packs them first.
-        opts: dict = {"scheduling_strategy": "SPREAD"}
-        if resources:
-            opts["resources"] = dict(resources)
-        handle = actor.options(**opts).remote(*args, expect=expect)
-        return ActorLane(handle, f"lane {k} of {len(self._args)}", resources,
-                         self.cfg.service.place_timeout_s)  # fmt: skip
+    def _in_flight(self) -> tuple[list[_Chunk], int, list[tuple[int, list]]]:
+        """Under the lock, for a restart: the chunks asked and not yet joined, the first step
+        no lane has begun, and the weight changes the lanes have yet to confirm."""
+        chunks = [c for c in (self._current, *self._pending) if c is not None]
+        return chunks, self._asked, self._changes
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -330,7 +285,7 @@ class LanedFeed:
         """Under the lock: the lanes are told to let go of the steps before `below`, and so
         are their states kept for a restart (every rank has those steps)."""
         self._told = below
-        self.restarts.forget_below(below)
+        self.group.restarts.forget_below(below)
 
     def _room(self) -> int:
         """How many steps may be asked of the lanes now: steps_per_call(K), but never past
@@ -367,21 +322,21 @@ class LanedFeed:
             chunk = self._current = self._pending.popleft() if self._pending else self._ask()
         assert chunk is not None  # nothing pending and nothing ready: the step made is asked
         n = chunk.n
-        made_already = self.hold and self._made(chunk.calls)
+        made_already = self.hold and self.group.made(chunk.calls)
         t = time.monotonic()
-        answers = [self._answer_of(chunk.calls, k) for k in range(len(self.lanes))]
+        answers = [self.group.answer_of(chunk.calls, k) for k in range(len(self.lanes))]
         self.waited_s += time.monotonic() - t
         with self._lock:
             self._current = None
-        if self.restarts.remade:
-            self._check_remade()
+        if self.group.restarts.remade:
+            self.group.check_remade()
         if self.hold:  # the depth follows holding lanes (LaneMade carries their making time)
-            cored, self._making = had_cores(self._making, [made for made, _ in answers])
+            cored, self.group.making = had_cores(self.group.making, [made for made, _ in answers])
             waited = not made_already and cored and not self.ranks_behind
             self.depth = next_depth(self.depth, waited, self._least_depth, self._most_depth)
             for k, (lane_made, _) in enumerate(answers):
                 if len(lane_made):
-                    self._last[k] = lane_made
+                    self.group.last[k] = lane_made
         self._confirm_changes()
         self._ask_ahead()
         for _, rejects in answers:
@@ -421,9 +376,9 @@ class LanedFeed:
             if self.hold:
                 states = [lane_made.states[j] for lane_made in made]
                 step = self.step + len(self._ready)  # the steps before it are ready
-                if self.restarts.limit:
+                if self.group.restarts.limit:
                     with self._lock:
-                        self.restarts.keep(step + 1, states)
+                        self.group.restarts.keep(step + 1, states)
                 step_rows = tuple(rows[j])
                 laned = LanedStep(step, self.handles, step_rows, counted, j, self.key)
                 made_step: Any = (laned, [int(counts[0][j]), int(counts[1][j]), counts[2][j],
@@ -443,134 +398,35 @@ class LanedFeed:
                 self.finished = True
                 return
 
-    def _made(self, asked: list) -> bool:
-        """Whether every lane (actors: holding lanes are) has answered `asked` already."""
-        import ray
+    # -- the lanes (lanes/group.py) -------------------------------------------------------------
 
-        ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0)
-        return len(ready) == len(asked)
+    @property
+    def lanes(self) -> list:
+        return self.group.lanes
 
-    def _answer_of(self, calls: list, k: int) -> Any:
-        """Lane k's answer to its call in `calls` (a chunk's, a weight change's): asked again
-        of the lane's new actor when its process died and it was restarted (`restart`, which
-        replaces the call in `calls`). A lane that failed otherwise fails the feed, by name."""
-        while True:
-            lane = self.lanes[k]  # before the call: a restart replaces the call first
-            call = calls[k]
-            try:
-                return lane.get(call)
-            except Exception as e:
-                if not self.restart(k, lane, e):
-                    raise self._failure(k, e) from e
-
-    # -- a lane whose process died ------------------------------------------------------------
-
-    def restart(self, k: int, lane: Any, error: BaseException) -> bool:
-        """Lane k (`lane`, the one that failed with `error`) started again from its kept state
-        (lanes/restart.py), if its process died and it has restarts left: True once lane k is
-        another actor (this call's, or another thread's that met the death first).
-
-        The new actor is asked again, in order, what lane k was asked since that state; each
-        state it answers is checked against the one lane k gave for that step
-        (`_check_remade`). Ranks that met the dead actor ask the server for the new one
-        (`check_lane`), and their takes of steps it has yet to make again wait for them
-        (LaneWorker `_held`)."""
-        if not lane_died(error):
-            return self.lanes[k] is not lane
-        import ray
-
-        with self._lock:
-            if self.lanes[k] is not lane:
-                return True  # restarted already, by the thread that met it first
-            if not self.restarts.can_restart(k) or self._closed:
-                return False
-            step, state, expect = self.restarts.start_of(k)
-            args = list(self._args[k])
-            args[2] = state
-            new = self._start(k, tuple(args), expect=expect)
-            with contextlib.suppress(Exception):  # one taken for dead stays so (a partition)
-                ray.kill(lane.handle)  # type: ignore[union-attr]  # actors only (lane_died)
-            chunks = [c for c in (self._current, *self._pending) if c is not None]
-            self.restarts.ask_again(k, new, step, state, chunks, self._asked,
-                                    steps_per_call(len(self.lanes)), self.state_every,
-                                    self._changes)  # fmt: skip
-            self.lanes[k] = new
-            self.handles[k] = new.handle
-            self._making[k] = (0.0, 0.0)
-            self._asking = None  # the summaries asked of the dead actor never come
-            nth = self.restarts.logged(k, step, self._asked - step, type(error).__name__)
-        print(f"tokenmill: lane {k} of {len(self.lanes)} died ({type(error).__name__}); "
-              f"started again from step {step} (restart {nth} of {self.restarts.limit})",
-              file=sys.stderr, flush=True)  # fmt: skip
-        return True
+    @property
+    def handles(self) -> list:
+        """Where ranks take a held step's rows: each lane's actor, as it is now."""
+        return self.group.handles
 
     @property
     def restarted(self) -> list[dict]:
         """Each restart (metrics `lanes_restarted`): lanes/restart.py `Restarts.log`."""
-        return self.restarts.log
+        return self.group.restarts.log
 
     def whole(self, step: LanedStep, timeout_s: float = 120.0) -> pa.RecordBatch:
         """Held step `step`, joined whole from its lanes' parts (an export's step whose rows
-        this process writes: a rank spanning lanes, a short last step). A lane whose process
-        died is started again (`restart`) and its part asked of the new actor, which makes
-        the step again first (LaneWorker `_held`); a lane that fails otherwise is named."""
-        import ray
-
-        parts = []
-        for k in range(len(self.lanes)):
-            while True:
-                lane = self.lanes[k]
-                handle = lane.handle  # type: ignore[union-attr]  # holding lanes are actors
-                call = handle.part.options(concurrency_group=TAKE_GROUP).remote(step.step)
-                try:
-                    parts.append(from_ipc(ray.get(call, timeout=timeout_s)))
-                    break
-                except Exception as e:
-                    if not self.restart(k, lane, e):
-                        raise self._failure(k, e) from e
-        return join_parts(parts)
+        this process writes: a rank spanning lanes, a short last step)."""
+        return self.group.whole(step, timeout_s)
 
     def check_lane(self, k: int, timeout_s: float = 10.0) -> None:
-        """A rank met lane k's actor dead (wire/lane_rows.py LaneGone): restarted here if it is
-        (the producer may be waiting for room, not for the lane, and not meet it)."""
-        import ray
-
-        lane = self.lanes[k]
-        if not isinstance(lane, ActorLane):
-            return  # in this process: nothing dies apart
-        ping = lane.handle.process.options(concurrency_group=TAKE_GROUP).remote()
-        ready, _ = ray.wait([ping], timeout=timeout_s)
-        if not ready:
-            return  # busy or starting: the rank asks again
-        try:
-            ray.get(ping)
-        except Exception as e:
-            self.restart(k, lane, e)
+        """A rank met lane k's actor dead: restarted here if it is (LaneGroup `check_lane`)."""
+        self.group.check_lane(k, timeout_s)
 
     def check_placed(self) -> None:
-        """Fails the feed (LaneError) if a lane's actor was not placed and started within
-        `service.place_timeout_s`: one a rank's call started again (`check_lane`) while the
-        producer waits for room, not for the lanes (the batch server's producer asks this
-        while it waits)."""
-        for lane in self.lanes:
-            if isinstance(lane, ActorLane) and lane.overdue():
-                assert lane.place_timeout_s is not None  # overdue says so
-                raise LaneError(str(not_placed(lane.what, lane.resources, lane.place_timeout_s)))
-
-    def _check_remade(self) -> None:
-        """The answers of the steps a restarted lane made again, as they come: a lane that
-        made one otherwise than before (LaneWorker `expect`) fails the feed."""
-        with self._lock:
-            remade = self.restarts.remade
-            ready = [r for r in remade if r[1].ready(r[2])]
-            self.restarts.remade = [r for r in remade if r not in ready]
-        for k, lane, call in ready:
-            try:
-                lane.get(call)
-            except Exception as e:
-                if self.restart(k, lane, e):
-                    continue
-                raise self._failure(k, e) from e
+        """Fails the feed (LaneError) if a lane started again was not placed in time (the batch
+        server's producer asks this while it waits for room, not for the lanes)."""
+        self.group.check_placed()
 
     def _confirm_changes(self) -> None:
         """Weight changes set without waiting (`set_weights(wait=False)`) that every lane has
@@ -580,33 +436,13 @@ class LanedFeed:
             if not all(lane.ready(c) for lane, c in zip(self.lanes, calls, strict=True)):
                 return
             for k in range(len(calls)):
-                got = self._answer_of(calls, k)
+                got = self.group.answer_of(calls, k)
                 assert got == step, (got, step)
             self._changes.pop(0)
 
     def lane_view(self) -> list[dict]:
-        """Each lane: its process (pid, host; None until it has said, and `waiting_s` the
-        seconds it has waited to be placed and started), how many times it was
-        started again (`restart`) and, when the lanes hold the rows, the steps it held when it
-        last answered (the window's steps, those not yet released, and those made ahead) and
-        its seconds making steps by then, wall and CPU (`making_s`, `making_cpu_s`)."""
-        out = []
-        now = time.monotonic()
-        for k, lane in enumerate(self.lanes):
-            where = {"pid": None, "host": None, "node_id": None, "node_ip": None}
-            started = lane.ready(lane.where)
-            if started:
-                with contextlib.suppress(Exception):  # a lane that died says nothing
-                    where = lane.get(lane.where)
-            # Seconds it has waited to be placed and started (lanes/placing.py); None once
-            # it has started: a lane started again where no node has its resources shows.
-            waiting = None if started else round(now - lane.since, 1)  # type: ignore[union-attr]
-            last = self._last[k] if self.hold else None
-            out.append({"lane": k, **where, "waiting_s": waiting,
-                        "restarts": self.restarts.count(k),
-                        "held_steps": last and last.held, "making_s": last and last.making_s,
-                        "making_cpu_s": last and last.making_cpu_s})  # fmt: skip
-        return out
+        """Each lane's process, restarts and held steps (metrics `lanes`; LaneGroup `view`)."""
+        return self.group.view()
 
     def _batch(self, made) -> pa.RecordBatch:
         return from_ipc(made) if isinstance(made, bytes) else made
@@ -662,86 +498,43 @@ class LanedFeed:
             calls = [lane.call("set_weights", weights, step, source) for lane in self.lanes]
             self.mixer.schedule(step, weights, source=source)
             # After the steps asked so far, for a restart to send again.
-            self.restarts.note(Sent(self._asked, step, dict(weights), source, calls))
+            self.group.restarts.note(Sent(self._asked, step, dict(weights), source, calls))
             if not wait:
                 self._changes.append((step, calls))
         if wait:
-            got = [self._answer_of(calls, k) for k in range(len(calls))]
+            got = [self.group.answer_of(calls, k) for k in range(len(calls))]
             assert set(got) == {step}, got
         with self._lock:
             if step == self.step == self._asked and self._state is not None:
                 # Before its step is begun (the mixing policy's decisions): the state at it
                 # holds the change, as a single feed's would, so a replay from it agrees.
-                states = [self._call_lane(k, "state") for k in range(len(self.lanes))]
+                states = [self.group.ask(k, "state") for k in range(len(self.lanes))]
                 self._state = self._nest(states)
-                self.restarts.keep(self.step, states)
+                self.group.restarts.keep(self.step, states)
         return step
 
-    def _failure(self, k: int, error: BaseException) -> LaneError:
-        """Lane k's failure, named (one not placed names itself)."""
-        if isinstance(error, NotPlaced):
-            return LaneError(str(error))
-        return LaneError(f"lane {k} of {len(self.lanes)} failed: {error}")
-
-    def _call_lane(self, k: int, method: str) -> Any:
-        """Lane k's answer to `method` (its state, its summary), asked again of its new actor
-        if it died meanwhile."""
-        while True:
-            lane = self.lanes[k]
-            try:
-                return lane.get(lane.call(method))
-            except Exception as e:
-                if not self.restart(k, lane, e):
-                    raise self._failure(k, e) from e
-
     def close(self) -> None:
-        with self._lock:
-            self._closed = True  # no lane is started again from here on
-        for lane in self.lanes:
-            lane.kill()
+        self.group.close()
 
     def stop_reading(self) -> None:
         """Stop the lanes' reads and making, and keep the lanes (and the rows they hold) until
         `close`: a skip replaced this feed while ranks may still fetch its steps. A lane that
         dies from here on is not started again (it would make this feed's steps again)."""
-        with self._lock:
-            self._closed = True
-        for lane in self.lanes:  # queued behind the chunks asked: not waited for
-            with contextlib.suppress(Exception):  # a dead lane reads nothing
-                lane.call("close")
+        self.group.stop_reading()
 
     # -- figures ----------------------------------------------------------------------------
 
     def totals(self) -> RunTotals:
         """What was served so far (since step 0, across resumes)."""
-        read = joined_read(self.names, self._lane_summaries())
+        read = joined_read(self.names, self.group.summaries())
         return totals_of(self.step, self.rows, self.real_tokens, self.cfg.seq_len, self.names,
                          self.tokens, self.docs_emitted, [read[n].skipped for n in self.names])  # fmt: skip
-
-    def _lane_summaries(self) -> list[tuple[RunSummary, dict[str, list[int]]]]:
-        """The lanes' summaries: asked for now, or (`wait_for_figures` False) the last ones
-        the lanes gave, with the next asked for in the background; the first call waits."""
-        if self.wait_for_figures or self._summaries is None:
-            self._summaries = [self._call_lane(k, "summary") for k in range(len(self.lanes))]
-            return self._summaries
-        with self._lock:  # a restart drops what was asked of a dead actor
-            asking, lanes = self._asking, list(self.lanes)
-        if asking is not None and all(lane.ready(a) for lane, a in zip(lanes, asking, strict=True)):
-            with contextlib.suppress(Exception):  # a lane died: the last ones stand
-                self._summaries = [lane.get(a) for lane, a in zip(lanes, asking, strict=True)]
-            asking = None
-        if asking is None:
-            asking = [lane.call("summary") for lane in lanes]
-        with self._lock:
-            if self.lanes == lanes:
-                self._asking = asking
-        return self._summaries
 
     def summary(self) -> RunSummary:
         """The run's summary: what was served counted here, what was read summed over the
         lanes (they read ahead of what was served), the mixture as lane 0 records it (every
         lane holds the same changes)."""
-        parts = self._lane_summaries()
+        parts = self.group.summaries()
         with self._lock:  # one reading of what was served (the producer thread adds to it)
             step, rows, real = self.step, self.rows, self.real_tokens
             tokens, docs = self.tokens.copy(), self.docs_emitted.copy()
