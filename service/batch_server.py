@@ -348,9 +348,9 @@ class BatchServer(Sequencing):
                     self.feed.ranks_behind = False  # a rank waits for the lanes' steps
                 self._cond.wait(timeout=min(left, 1.0))
         from pipeline.feed import rank_runs
-        from pipeline.lanes import LanedStep, where
+        from pipeline.lanes import where
 
-        if isinstance(batches[0], LanedStep):  # the lanes hold the rows: where to take them
+        if self.feed.hold:  # the lanes hold the rows: where to take them
             return StepReply("ready", counts=[len(batches)],
                              lanes=where(batches, rank, world_size, G))  # fmt: skip
         # Sliced outside the lock: under it, one rank's copy held up every other rank.

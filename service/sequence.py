@@ -320,17 +320,14 @@ class Sequencing(ServerView):
         if steps[-1] >= produced:
             raise StepGone(f"step {steps[-1]} has not been produced yet (produced: {produced})")
         state = _unpack(kept)
-        from pipeline.lanes import LanedStep
-
-        for s, held in batches.items():  # rows the lanes hold: joined here (a rare call)
-            if isinstance(held, LanedStep):
-                try:
-                    batches[s] = held.whole()
-                except Exception as e:  # let go meanwhile, or its lanes closed
-                    raise StepGone(
-                        f"step {s}: its lanes no longer hold it ({type(e).__name__}); "
-                        "try again: it is recomputed from a kept state"
-                    ) from None
+        for s, laned in batches.items() if self.feed.hold else ():  # joined here (a rare call)
+            try:
+                batches[s] = laned.whole()
+            except Exception as e:  # let go meanwhile, or its lanes closed
+                raise StepGone(
+                    f"step {s}: its lanes no longer hold it ({type(e).__name__}); "
+                    "try again: it is recomputed from a kept state"
+                ) from None
         if rest:
             if state is None:
                 raise StepGone(f"no state at or before step {rest[0]} is kept (states: {held})")
