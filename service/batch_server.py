@@ -302,6 +302,16 @@ class BatchServer(Sequencing):
         G, L = self.cfg.global_batch_size, self.cfg.seq_len
         slice_bytes = -(-G // max(1, world_size)) * L * 4  # its rows of int32 token ids
         want = max(1, min(count, self.prefetch, REPLY_BYTES // slice_bytes))
+        taken = self._take(rank, world_size, step, want, wait_s)
+        if isinstance(taken, StepReply):  # none: its end, a stop, or a wait
+            return taken
+        return self._reply(taken, rank, world_size)
+
+    def _take(self, rank: int, world_size: int, step: int, want: int, wait_s: float
+              ) -> list | StepReply:  # fmt: skip
+        """Rank `rank`'s steps from `step`, up to `want`, taken from the window once the first
+        is there (waiting at most `wait_s`, lingering as `get` says), or the reply that says
+        why none are: the end, a stop, or a wait."""
         deadline = time.monotonic() + max(0.0, min(wait_s, 30.0))
         linger_until: float | None = None  # set when a hungry rank's first step is there
         waited = self._hungry.get(rank, False)  # its last call waited for the producer
@@ -330,7 +340,7 @@ class BatchServer(Sequencing):
                     self._hungry[rank] = waited and linger_until is not None
                     self._release_lanes()
                     self._cond.notify_all()  # the producer may have room now
-                    break
+                    return batches
                 if self.producer.error:
                     raise RuntimeError(f"the feed failed: {self.producer.error}")
                 if self._stop_requested:  # every step made before the stop was delivered
@@ -347,9 +357,14 @@ class BatchServer(Sequencing):
                 if not self.producer.paused:
                     self.feed.ranks_behind = False  # a rank waits for the lanes' steps
                 self._cond.wait(timeout=min(left, 1.0))
+
+    def _reply(self, batches: list, rank: int, world_size: int) -> StepReply:
+        """The reply that gives rank `rank` its rows of the steps `batches` taken: where the
+        lanes hold them, or the rows themselves."""
         from pipeline.feed import rank_runs
         from pipeline.lanes import where
 
+        G = self.cfg.global_batch_size
         if self.feed.hold:  # the lanes hold the rows: where to take them
             return StepReply("ready", counts=[len(batches)],
                              lanes=where(batches, rank, world_size, G))  # fmt: skip
