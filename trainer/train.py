@@ -77,14 +77,7 @@ def train(
     first_wait = first_time = 0.0  # step 1 waits for the service to start: reported apart
     for step in range(start_step + 1, steps + 1):
         t0 = time.perf_counter()
-        micro, wait = [], 0.0
-        for _ in range(grad_accum):
-            tw = time.perf_counter()
-            batch = next(batches, None)
-            wait += time.perf_counter() - tw
-            if batch is None:
-                break
-            micro.append(batch)
+        micro, wait = _micro_batches(batches, grad_accum)
         if len(micro) < grad_accum:  # every rank runs out at the same global step
             if rank == 0:
                 print(f"the feed ended after step {step - 1}; dropped {len(micro)} micro-batches")
@@ -97,28 +90,7 @@ def train(
         local = [int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in micro]
         (tokens,) = _all_reduce([float(sum(local))], device)
         # DDP averages gradients over ranks, so scale by world to get sum / global tokens.
-        scale = world / max(tokens, 1.0)
-        loss_sum = 0.0
-        for i, batch in enumerate(micro):
-            b = {k: batch[k].to(device, non_blocking=True) for k in TENSOR_KEYS}
-            last = i == grad_accum - 1
-            sync = nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
-            with sync:
-                with amp:
-                    logits = forward_packed(
-                        model,
-                        b["input_ids"],
-                        b["position_ids"],
-                        b["segment_ids"],
-                        batch.get("seq_lens"),
-                    )
-                    per_token = token_losses(logits, b["labels"])
-                    count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
-                    mean = per_token.sum() / max(count, 1)
-                (mean * count * scale).backward()
-            if report_loss is not None and "stream" in batch:
-                report_loss(batch["global_step"], stream_loss({**batch, **b}, per_token))
-            loss_sum += float(mean.detach()) * count
+        loss_sum = _backward(model, micro, device, amp, world / max(tokens, 1.0), report_loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         (loss_sum,) = _all_reduce([loss_sum], device)
@@ -158,6 +130,44 @@ def train(
         "first_step_wait_s": first_wait,
         "tokens_per_s": total_tokens / total_time if total_time else 0.0,
     }
+
+
+def _micro_batches(batches: Iterator[dict], grad_accum: int) -> tuple[list[dict], float]:
+    """A step's `grad_accum` micro-batches (fewer where `batches` ends), and the seconds this
+    rank waited for them."""
+    micro, wait = [], 0.0
+    for _ in range(grad_accum):
+        t = time.perf_counter()
+        batch = next(batches, None)
+        wait += time.perf_counter() - t
+        if batch is None:
+            break
+        micro.append(batch)
+    return micro, wait
+
+
+def _backward(model: torch.nn.Module, micro: list[dict], device: torch.device, amp,
+              scale: float, report_loss: Callable[[int, dict], None] | None) -> float:  # fmt: skip
+    """Forward and backward over a step's micro-batches, each loss summed over its tokens and
+    times `scale` (the world over the step's global tokens), gradients synced over ranks on
+    the last only; reports each micro-batch's loss per stream. Returns the summed loss."""
+    loss_sum = 0.0
+    for i, batch in enumerate(micro):
+        b = {k: batch[k].to(device, non_blocking=True) for k in TENSOR_KEYS}
+        last = i == len(micro) - 1
+        sync = nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
+        with sync:
+            with amp:
+                logits = forward_packed(model, b["input_ids"], b["position_ids"],
+                                        b["segment_ids"], batch.get("seq_lens"))  # fmt: skip
+                per_token = token_losses(logits, b["labels"])
+                count = int((b["labels"][:, 1:] != IGNORE_INDEX).sum())
+                mean = per_token.sum() / max(count, 1)
+            (mean * count * scale).backward()
+        if report_loss is not None and "stream" in batch:
+            report_loss(batch["global_step"], stream_loss({**batch, **b}, per_token))
+        loss_sum += float(mean.detach()) * count
+    return loss_sum
 
 
 def save_checkpoint(path: Path, model, optimizer, feed_state: dict, step: int) -> None:
