@@ -46,12 +46,9 @@ from pathlib import Path
 
 import yaml
 
+from bench.cpu import cpu_s
+
 SEQ_LEN, BATCH = 2048, 32
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _pin(pid: int, cores: set[int]) -> int:
@@ -157,7 +154,7 @@ def measure(source: Path, steps: int, repeat: int, pin: bool, lanes: int = 1,
         for t in threads:
             t.start()
         while any(t.is_alive() for t in threads):
-            cpu.append((time.monotonic(), [_cpu_s(p) for p in pids + [control]]))
+            cpu.append((time.monotonic(), [cpu_s(p) for p in pids + [control]]))
             time.sleep(0.2)
         for t in threads:
             t.join()

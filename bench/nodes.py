@@ -34,12 +34,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.cpu import cpu_s
+
 MB = 1 << 20
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ranks(name: str, world: int, steps: int, address: str, step_s: float) -> list[dict]:
@@ -101,9 +98,9 @@ def measure(cfg_raw: dict, lanes: int, world: int, steps: int, address: str,
     actor = start_server(cfg, name=name)
     try:
         pid = ray.get(actor.status.remote(), timeout=60)["server"]["pid"]
-        cpu0 = _cpu_s(pid)
+        cpu0 = cpu_s(pid)
         got = _ranks(name, world, steps, address, step_s)
-        cpu = _cpu_s(pid) - cpu0
+        cpu = cpu_s(pid) - cpu0
         m = ray.get(actor.metrics.remote(), timeout=60)
     finally:
         _close(actor)

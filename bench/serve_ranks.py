@@ -60,19 +60,17 @@ cores, less like a real node). The absolute figures are this machine's; the rati
 from __future__ import annotations
 
 import argparse
-import bisect
-import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-WORLD = 8  # ranks by default (--world-size)
+from bench.cpu import Sampler, lane_pids
+from bench.ranks import WORLD, RankProcesses, RankThreads
+
 GOAL = 0.85
 GPU_RATES = (10_000, 50_000)
 OBJECT_STORE_BYTES = 512 << 20
@@ -87,253 +85,6 @@ def bench_config(corpus: Path, seq_len: int, global_batch: int) -> dict:
         "shuffle": {"window": 64},
         "streams": {"code": {"paths": [str(corpus / "code.jsonl")], "repeat": 1000}},
     }
-
-
-def _cpu_s(pid: int | None = None) -> float:
-    """User + system CPU seconds of this process (all its threads), or of `pid` (/proc)."""
-    if pid is None:
-        t = os.times()
-        return t.user + t.system
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-# -- one rank -----------------------------------------------------------------------------
-
-
-def pull(service: str, rank: int, world: int, steps: int, address: str | None = None) -> dict:
-    """Connect as `rank` of `world` and take `steps` batches as fast as possible.
-
-    Returns {"steps": [[global_step, t_done, latency_s, real_tokens, cpu_s, t_arrived], ...]}:
-    times on time.monotonic (one clock for every process of this machine), cpu_s this
-    process's; t_arrived when the answer that carried the step arrived (the t_done of the
-    first step that answer carried)."""
-    from trainer.feed import Feed
-
-    feed = Feed.connect(service=service, rank=rank, world_size=world, address=address,
-                        timeout_s=120)  # fmt: skip
-    out, arrived = [], 0.0
-    for _ in range(steps):
-        t, calls = time.monotonic(), feed.calls
-        batch = next(feed, None)
-        done = time.monotonic()
-        if batch is None:
-            break
-        arrived = done if feed.calls != calls else arrived
-        tokens = sum(sum(lens) for lens in batch["seq_lens"])
-        out.append([batch["global_step"], done, done - t, tokens, _cpu_s(), arrived])
-    calls = feed.calls
-    feed.close()
-    return {"rank": rank, "steps": out, "calls": calls}
-
-
-def _rank_process(argv: list[str]) -> int:
-    """`python -m bench.serve_ranks --_rank SERVICE RANK WORLD STEPS OUT`: import Ray, torch
-    and the feed; read the cluster's address from stdin, join it, print `ready`; on `go`,
-    pull and write OUT (JSON)."""
-    service, rank, world, steps, out = argv
-    import ray  # noqa: F401
-    import torch  # noqa: F401  (the feed's Arrow -> torch copy would import it on step 0)
-
-    import trainer.feed  # noqa: F401
-    from client.cluster import client_address, connect
-
-    gcs = sys.stdin.readline().strip()
-    if not gcs:  # the run ended before it started Ray: never join another cluster
-        return 1
-    connect(client_address(gcs))
-    print("ready", flush=True)
-    if sys.stdin.readline().strip() != "go":
-        return 1
-    result = pull(service, int(rank), int(world), int(steps), address=gcs)
-    tmp = Path(out + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.rename(out)  # the run goes on when every file is there
-    # Leave at once: a Ray driver's orderly exit costs seconds of CPU per rank, and the
-    # cluster, whose GCS notices the closed connection, is shut down right after.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-class RankProcesses:
-    """`world` rank processes, idle until `go()`; killed by pid if they outlive the run."""
-
-    def __init__(self, service: str, steps: int, work: Path, world: int = WORLD):
-        env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENMILL_RAY_LOGS": "0"}
-        self.outs = [work / f"rank-{r}.json" for r in range(world)]
-        self.logs = [work / f"rank-{r}.log" for r in range(world)]
-        self.procs = []
-        for r in range(world):
-            with open(self.logs[r], "w") as log:
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "bench.serve_ranks", "--_rank", service, str(r),
-                     str(world), str(steps), str(self.outs[r])],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                ))  # fmt: skip
-
-    def join(self, gcs: str) -> None:
-        self._say(gcs)
-
-    def wait_ready(self) -> None:
-        for r, p in enumerate(self.procs):
-            if p.stdout.readline().strip() != "ready":  # a rank that died reads "" (EOF)
-                raise RuntimeError(f"rank {r} did not start: {self._tail(r)}")
-
-    def go(self) -> None:
-        self._say("go")
-
-    def _say(self, line: str) -> None:
-        for p in self.procs:
-            p.stdin.write(line + "\n")
-            p.stdin.flush()
-
-    def results(self, timeout_s: float) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        for r, (p, out) in enumerate(zip(self.procs, self.outs, strict=True)):
-            while not out.exists():
-                if p.poll() is not None:
-                    raise RuntimeError(f"rank {r} failed ({p.returncode}): {self._tail(r)}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {r} did not finish: {self._tail(r)}")
-                time.sleep(0.05)
-        return [json.loads(o.read_text()) for o in self.outs]
-
-    def _tail(self, r: int) -> str:
-        return self.logs[r].read_text()[-2000:]
-
-    def close(self, timeout_s: float = 30) -> None:
-        """Let the ranks leave Ray (they exit after their results), kill any left (by pid)."""
-        deadline = time.monotonic() + timeout_s
-        for p in self.procs:
-            with contextlib.suppress(OSError):
-                p.stdin.close()  # a rank still waiting for its address or `go` reads EOF
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-
-class RankThreads:
-    """`world` ranks as threads of this process (already a Ray driver)."""
-
-    def __init__(self, service: str, steps: int, world: int = WORLD):
-        self.service, self.steps, self.world = service, steps, world
-        self.got: dict[int, dict] = {}
-        self.errors: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(r,), daemon=True)
-                        for r in range(world)]  # fmt: skip
-
-    def _run(self, r: int) -> None:
-        try:
-            self.got[r] = pull(self.service, r, self.world, self.steps)
-        except Exception as e:
-            self.errors.append(f"rank {r}: {type(e).__name__}: {e}")
-
-    def join(self, gcs: str) -> None:
-        pass
-
-    def wait_ready(self) -> None:
-        import torch  # noqa: F401
-
-        import trainer.feed  # noqa: F401
-
-    def go(self) -> None:
-        for t in self.threads:
-            t.start()
-
-    def results(self, timeout_s: float) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        for t in self.threads:
-            t.join(timeout=max(1.0, deadline - time.monotonic()))
-        if self.errors or len(self.got) < self.world:
-            raise RuntimeError("; ".join(self.errors) or "ranks did not finish")
-        return [self.got[r] for r in range(self.world)]
-
-    def close(self, timeout_s: float = 30) -> None:
-        pass
-
-
-# -- where the CPU goes -------------------------------------------------------------------
-
-
-def _machine_jiffies() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine, from /proc/stat (other users included)."""
-    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
-    return sum(v) - v[3] - v[4], sum(v)  # idle and iowait are not busy
-
-
-class Sampler:
-    """Every 50 ms: (time, machine busy/total jiffies, this process's CPU, the actor's CPU,
-    each lane process's CPU)."""
-
-    def __init__(self):
-        self.samples: list[tuple] = []
-        self.actor_pid: int | None = None
-        self.lane_pids: list[int] = []  # the lanes' processes on this machine (`lanes` > 1)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            actor = None
-            if self.actor_pid is not None:
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    actor = _cpu_s(self.actor_pid)
-            lanes = None
-            if self.lane_pids:
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    lanes = [_cpu_s(pid) for pid in self.lane_pids]
-            self.samples.append((time.monotonic(), *_machine_jiffies(), _cpu_s(), actor, lanes))
-            self._stop.wait(0.05)
-
-    def window(self, a: float, b: float) -> dict:
-        """Figures between the samples nearest to times a and b."""
-        times = [s[0] for s in self.samples]
-
-        def at(t):
-            i = min(bisect.bisect_left(times, t), len(times) - 1)
-            return self.samples[i]
-
-        s0, s1 = at(a), at(b)
-        actor = s1[4] - s0[4] if s0[4] is not None and s1[4] is not None else None
-        lanes = None
-        if s0[5] is not None and s1[5] is not None and len(s0[5]) == len(s1[5]):
-            lanes = [y - x for x, y in zip(s0[5], s1[5], strict=True)]
-        return {
-            "machine_busy": (s1[1] - s0[1]) / max(1, s1[2] - s0[2]),
-            "this_process_cpu_s": s1[3] - s0[3],
-            "actor_cpu_s": actor,
-            "lanes_cpu_s": lanes,  # per lane process
-            "seconds": s1[0] - s0[0],
-        }
-
-
-def _lane_pids(actor, timeout_s: float = 120.0) -> list[int]:
-    """The lanes' processes, once every lane has said where it runs; only if all run on this
-    machine (their CPU is read from /proc). Empty with one lane."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        lanes = ray.get(actor.metrics.remote(), timeout=30).get("lanes") or []
-        if not lanes:
-            return []
-        if all(d.get("pid") for d in lanes):
-            if all(Path(f"/proc/{d['pid']}/stat").exists() for d in lanes):
-                return [int(d["pid"]) for d in lanes]
-            return []
-        time.sleep(0.2)
-    return []
 
 
 # -- figures ------------------------------------------------------------------------------
@@ -474,8 +225,6 @@ def _table(r: dict) -> str:
 def main(argv=None) -> int:
     t_start = time.monotonic()
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--_rank"]:
-        return _rank_process(argv[1:])
     ap = argparse.ArgumentParser(
         prog="python -m bench serving",
         description=__doc__,
@@ -573,7 +322,7 @@ def _run(args, steps: int, work: Path, name: str, ranks, t_start: float) -> int:
                 time.sleep(0.01)
                 st = ray.get(actor.status.remote(), timeout=30)
             produced_at_connect = st["global_step"]
-            sampler.lane_pids = _lane_pids(actor)
+            sampler.lane_pids = lane_pids(actor)
             results = ranks.results(timeout_s=600)
             metrics = ray.get(actor.metrics.remote(), timeout=30)
         _close(actor)
