@@ -214,7 +214,9 @@ class BatchServer(Sequencing):
                 first = r.next
                 policy = self.cfg.mixing.policy
                 if policy is not None and first:  # it takes over where the service is
-                    self.losses.excuse(rank, world_size, first, policy.every + policy.delay)
+                    self.losses.joined_without_state(
+                        rank, world_size, first, policy.every + policy.delay
+                    )
             self._cond.notify_all()
             assert self.window.world is not None  # declare() above set it
             return Welcome(first, self.window.world, self.beat_s, self.generation)

@@ -168,7 +168,7 @@ class _StepFiles:
                     pending.unlink(missing_ok=True)
         rest = [r for r in range(self.world_size) if r not in done]
         if rest:  # this process joins the step: every row of it passes here
-            self.step(feed.whole(made), state, ranks=rest)  # a dead lane started again
+            self.step(feed.joined(made), state, ranks=rest)  # a dead lane started again
             return
         if state is not None:
             self._state(state)

@@ -47,7 +47,7 @@ class StreamLosses:
             for step in [s for s in self._steps if s >= start]:
                 del self._steps[step]
 
-    def excuse(self, rank: int, world: int, before: int, span: int) -> None:
+    def joined_without_state(self, rank: int, world: int, before: int, span: int) -> None:
         """Rank `rank` of `world` joined at step `before` without a state (a trainer that
         takes over where the service is): it reports no step before `before`, so for the
         `span` steps before it, it counts as having reported nothing. Else a step that a

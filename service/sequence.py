@@ -28,7 +28,7 @@ def _unpack(kept) -> dict | None:
     return None if kept is None else kept.unpack()
 
 
-def _bare(state: dict) -> dict:
+def _without_losses(state: dict) -> dict:
     """A state without the loss the mixing policy carries in it (`state`), as the producer
     keeps it: what tells whether a resuming rank's state is a step still held."""
     from pipeline.stages.policy import LOSSES
@@ -203,7 +203,7 @@ class Sequencing(ServerView):
                 held = step in self.window.steps or step == self.window.produced
                 kept = (_unpack(self.producer.states.get(step)),
                         _unpack(self.producer.decided_from.get(step)))  # fmt: skip
-                if held and _bare(state) in (*kept, self._seeked):
+                if held and _without_losses(state) in (*kept, self._seeked):
                     return step
             carried = self._carried(state)
             feed = self._make_feed(state)  # raises on a bad state; nothing changed yet
@@ -213,7 +213,7 @@ class Sequencing(ServerView):
                 if self.steering is not None:
                     self.steering.forget_after(feed.step)
                 self._install(feed)
-                self._seeked = _bare(state)
+                self._seeked = _without_losses(state)
                 retired, self._retired = self._retired, []  # a new sequence: nobody needs them
                 self._wake_all()
             for _, old_feed in retired:
@@ -322,7 +322,7 @@ class Sequencing(ServerView):
         state = _unpack(kept)
         for s, laned in batches.items() if self.feed.hold else ():  # joined here (a rare call)
             try:
-                batches[s] = laned.whole()
+                batches[s] = laned.joined()
             except Exception as e:  # let go meanwhile, or its lanes closed
                 raise StepGone(
                     f"step {s}: its lanes no longer hold it ({type(e).__name__}); "

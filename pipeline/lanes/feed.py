@@ -414,10 +414,10 @@ class LanedFeed:
         """Each restart (metrics `lanes_restarted`): lanes/restart.py `Restarts.log`."""
         return self.group.restarts.log
 
-    def whole(self, step: LanedStep, timeout_s: float = 120.0) -> pa.RecordBatch:
+    def joined(self, step: LanedStep, timeout_s: float = 120.0) -> pa.RecordBatch:
         """Held step `step`, joined whole from its lanes' parts (an export's step whose rows
         this process writes: a rank spanning lanes, a short last step)."""
-        return self.group.whole(step, timeout_s)
+        return self.group.joined(step, timeout_s)
 
     def check_lane(self, k: int, timeout_s: float = 10.0) -> None:
         """A rank met lane k's actor dead: restarted here if it is (LaneGroup `check_lane`)."""

@@ -149,7 +149,7 @@ class LaneGroup:
         ready, _ = ray.wait(list(asked), num_returns=len(asked), timeout=0)
         return len(ready) == len(asked)
 
-    def whole(self, step: LanedStep, timeout_s: float = 120.0) -> pa.RecordBatch:
+    def joined(self, step: LanedStep, timeout_s: float = 120.0) -> pa.RecordBatch:
         """Held step `step`, joined whole from its lanes' parts. A lane whose process died is
         started again (`restart`) and its part asked of the new actor, which makes the step
         again first (LaneWorker `_held`); a lane that fails otherwise is named."""

@@ -105,7 +105,7 @@ class LaneMade:
 class LanedStep:
     """A global step whose rows the lanes hold (the batch server's window holds this, not the
     rows): its number, the lane actors, and how many rows each made. Ranks take their rows
-    from the lanes (wire/lane_rows.py `fetch`); `whole` joins them all (provenance, skips)."""
+    from the lanes (wire/lane_rows.py `fetch`); `joined` joins them all (provenance, skips)."""
 
     step: int
     lanes: list  # the feed's `handles`: a restarted lane's actor replaces its entry
@@ -123,7 +123,7 @@ class LanedStep:
     def num_rows(self) -> int:
         return sum(self.rows)
 
-    def whole(self, timeout_s: float = 120.0) -> pa.RecordBatch:
+    def joined(self, timeout_s: float = 120.0) -> pa.RecordBatch:
         """The whole step, joined from its lanes' parts (this process touches every row)."""
         import ray
 

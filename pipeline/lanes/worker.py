@@ -200,7 +200,7 @@ class LaneWorker:
         return out
 
     def part(self, step: int) -> bytes:
-        """This lane's part of held step `step` as it was made (Arrow IPC): `LanedStep.whole`."""
+        """This lane's part of held step `step` as it was made (Arrow IPC): `LanedStep.joined`."""
         with self._held_lock:
             chunk, j = self._held(step)
         return to_ipc(own(chunk.step(j)))
