@@ -17,7 +17,7 @@ from pipeline.feed import StepFeed
 from pipeline.lanes import LanedFeed, LaneError
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
-from pipeline.stages.documents import lane_shares
+from pipeline.stages.plan import lane_shares
 from pipeline.state.resume import StateError, check_laned_state, seal
 from service.export import run_export, step_path
 from tests.conftest import stdlib_texts, write_jsonl

@@ -6,7 +6,7 @@
     global step s = lane 0's step s ‖ lane 1's step s ‖ … (rows in lane order)
 
 A lane is a `StepFeed` (pipeline/feed.py) over its share of every stream: a balanced partition of
-the stream's pieces by bytes (stages/documents.py `lane_shares`), its own seeded orders, the
+the stream's pieces by bytes (stages/plan.py `lane_shares`), its own seeded orders, the
 same weights, its own token-exact mixer and packer. Each lane runs in a process of its own (a
 Ray actor, placed with `service.resources`; in-process lanes for `--local`), so mixing and
 packing scale with lanes as tokenizing scales with workers: no process handles every token

@@ -25,11 +25,11 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.config import Config
-from pipeline.read.access import WHOLE_FILE, Access, Piece
+from pipeline.read.access import WHOLE_FILE, Piece
 from pipeline.read.chain import EpochChain, epochs_per_chain
-from pipeline.read.reading import Executor, Unit, group_units
-from pipeline.read.sources import data_files, plan_pieces
-from pipeline.stages.shuffle import Interleave, PieceRows, by_piece, file_order, piece_order
+from pipeline.read.reading import Executor, Unit
+from pipeline.stages.plan import StreamPlan
+from pipeline.stages.shuffle import Interleave, PieceRows, by_piece
 from pipeline.stages.stage import Doc, StateError
 from pipeline.tokenize.encoders import BACKEND_NAMES
 from wire.arrays import valid, view
@@ -119,23 +119,6 @@ class Reject:
         }
 
 
-def lane_shares(works: list[int], lanes: int) -> list[int]:
-    """Which lane reads each piece: a balanced, deterministic partition by work (bytes).
-
-    Largest first, each to the lane with the least work so far (ties: the lower lane, then
-    the earlier piece): every lane's work is within one piece of the mean. A pure function of
-    the pieces' sizes and order, so of the files and the config; never of the world size."""
-    if lanes == 1:
-        return [0] * len(works)
-    load = [0] * lanes
-    out = [0] * len(works)
-    for i in sorted(range(len(works)), key=lambda i: (-works[i], i)):
-        lane = min(range(lanes), key=lambda k: (load[k], k))
-        out[i] = lane
-        load[lane] += works[i]
-    return out
-
-
 def _share(total: int, lane: int, lanes: int) -> int:
     """Lane `lane`'s part of `total` split over `lanes`: the remainder goes to the first."""
     return total // lanes + (1 if lane < total % lanes else 0)
@@ -164,19 +147,19 @@ class DocSource:
     ):
         self.name, self.index, self.cfg = name, index, cfg
         self.stream = cfg.streams[name]
-        # Lane `lane` of `cfg.lanes` reads its share of the stream's pieces (`lane_shares`)
+        # Lane `lane` of `cfg.lanes` reads its share of the stream's pieces (plan.py `lane_shares`)
         # and caps at its share of `max_tokens`; its seeded orders are its own (`salt`).
         # No lane (stats, check) or one lane is the stream whole, with the orders it always had.
         self.lane, self.lanes = (0, 1) if lane is None else (lane, cfg.lanes)
-        self.salt = name if self.lanes == 1 else f"{name}/lane{self.lane}"
+        # Where its documents are read from, in what order (pieces in a seeded order across
+        # files, interleaved (shuffle.py); else read order).
+        self.plan = StreamPlan(name, cfg, self.lane, self.lanes)
         cap = self.stream.max_tokens
         self.max_tokens = None if cap is None else _share(cap, self.lane, self.lanes)
         self.executor = executor
         self.first_executor = first_executor or executor  # the read `start()` begins
         self.on_reject = on_reject
         self.counters = StreamCounters()
-        self._pieces: list[list[Piece]] | None = None
-        self._files: list[str] | None = None
         self._early: Iterator[pa.Table] | None = None
         # The read of the epochs after the current one (a chain: chain.py), started ahead.
         self._ahead: EpochChain | None = None
@@ -190,11 +173,8 @@ class DocSource:
         self.read_mark = self.reported
         self.first_block_at: float | None = None  # time.monotonic() of the first block in
         self.first_reads: Iterator[pa.Table] | None = None
-        # Pieces in a seeded order across files, interleaved (shuffle.py); else read order.
-        self.interleaved = cfg.shuffle.interleaved
         self._open0: tuple[tuple[int, int], ...] = ()  # the open pieces at `start_pos`
         self._il: Interleave | None = None  # the current epoch's schedule, while it is read
-        self._orders: dict[int, tuple[list[Piece], list[int]]] = {}  # per epoch, see _order
         # The current epoch is read from its start (not a resume inside it), and the documents
         # counted when it began: an epoch read whole with no good document ends the stream.
         self._whole_epoch = False
@@ -225,7 +205,7 @@ class DocSource:
                 "pieces were interleaved); the run continues in that order",
                 self.name,
             )
-            self.interleaved, self._pieces = False, None  # pieces of the read's size
+            self.plan.in_file_order()
         elif not self.interleaved and OPEN in state:
             how = "files in order" if not self.cfg.shuffle.files else "shuffle.pieces: 0"
             raise StateError(
@@ -248,7 +228,7 @@ class DocSource:
         if self._early is None and not self.done:
             c = self.start_pos
             if self.interleaved:
-                units = self._plan(c.epoch, self._open0, c.unit)[0]
+                units = self.plan.plan(c.epoch, self._open0, c.unit)[0]
             else:
                 units = self.units(c.epoch)[c.unit :]
             self._early = self.first_executor(units, self.stream, self.cfg.tokenizer)
@@ -317,128 +297,32 @@ class DocSource:
             after + 1, per_epoch, lambda us: self.executor(us, self.stream, self.cfg.tokenizer)
         )
 
+    # -- the plan (stages/plan.py) ----------------------------------------------------------
+
     @property
     def files(self) -> list[str]:
         """The sorted file list that `file_index` refers to (MDS: shards, not indexes)."""
-        if self._files is None:
-            access = Access.of(self.stream)
-            assert self.stream.format is not None  # load_config resolves every stream's format
-            self._files = data_files(list(self.stream.paths), self.stream.format, access)
-        return self._files
+        return self.plan.files
+
+    @property
+    def interleaved(self) -> bool:
+        return self.plan.interleaved
+
+    @property
+    def salt(self) -> str:
+        return self.plan.salt
 
     def pieces(self) -> list[list[Piece]]:
-        if self._pieces is None:
-            read, shuffle = self.cfg.read, self.cfg.shuffle
-            assert self.stream.format is not None  # load_config resolves every stream's format
-            size = read.piece_bytes
-            if self.interleaved:  # finer pieces mix better for the same memory (shuffle.py)
-                size = min(size, shuffle.piece_bytes)
-            plan = plan_pieces(self.stream.paths, self.stream.format, size,
-                               read.max_record_bytes, Access.of(self.stream))  # fmt: skip
-            pieces = sum(len(per_file) for per_file in plan)
-            if self.lanes > 1 and 0 < pieces < 2 * self.lanes:
-                # Too few pieces to share among the lanes (a small stream): cut finer, to
-                # about two per lane where the format can (JSONL, Arrow; a row group or a
-                # shard stays whole). One lane never re-plans.
-                total = sum(p.work for per_file in plan for p in per_file)
-                finer = max(4 << 10, total // (2 * self.lanes))
-                if finer < size:
-                    plan = plan_pieces(self.stream.paths, self.stream.format, finer,
-                                       read.max_record_bytes, Access.of(self.stream))  # fmt: skip
-            self._pieces = plan
-        return self._pieces
+        return self.plan.pieces()
 
     def piece_lanes(self) -> list[int]:
-        """Each piece's lane, over every file's pieces in plan order (`lane_shares`)."""
-        flat = [p for per_file in self.pieces() for p in per_file]
-        lanes = lane_shares([p.work for p in flat], self.lanes)
-        if self.lanes > 1 and len(set(lanes)) < self.lanes:
-            raise ValueError(
-                f"stream {self.name!r}: {len(flat)} piece(s) cannot feed {self.lanes} lanes "
-                "(each lane reads whole pieces): use fewer lanes, more files, or a smaller "
-                "read.first_block_bytes / shuffle.piece_bytes"
-            )
-        return lanes
+        return self.plan.piece_lanes()
 
     def share_bytes(self) -> int:
-        """The bytes (work) of the pieces this lane reads: the whole stream with one lane."""
-        return sum(p.work for per_file in self._lane_files() for p in per_file)
-
-    def _lane_files(self) -> list[list[Piece]]:
-        """Every file's pieces that this lane reads (all of them with one lane)."""
-        if self.lanes == 1:
-            return self.pieces()
-        lanes, at, out = self.piece_lanes(), 0, []
-        for per_file in self.pieces():
-            out.append([p for i, p in enumerate(per_file) if lanes[at + i] == self.lane])
-            at += len(per_file)
-        return out
-
-    def _lane_only(self, flat: list[Piece], ends: list[int]) -> tuple[list[Piece], list[int]]:
-        """This lane's pieces of the flat plan, each keeping its end in its file."""
-        if self.lanes == 1:
-            return flat, ends
-        mine = [i for i, lane in enumerate(self.piece_lanes()) if lane == self.lane]
-        return [flat[i] for i in mine], [ends[i] for i in mine]
+        return self.plan.share_bytes()
 
     def units(self, epoch: int, keep: bool = True) -> list[Unit]:
-        """The read units of a whole epoch, in the order they are read (`keep`: see _order)."""
-        if self.interleaved:
-            return self._plan(epoch, (), 0, keep)[0]
-        per_file = self._lane_files()
-        order = file_order(len(per_file), self.cfg.seed, self.salt, epoch, self.cfg.shuffle.files)
-        flat = [p for i in order for p in per_file[i]]
-        # Only the first epoch ramps up from small units (for the first batch); later epochs
-        # are read ahead (see `_blocks`), so their units are full size from the start.
-        read = self.cfg.read
-        return group_units(
-            flat, read.block_bytes, read.first_block_bytes if epoch == 0 else read.block_bytes
-        )
-
-    def _order(self, epoch: int, keep: bool = True) -> tuple[list[Piece], list[int]]:
-        """The epoch's pieces in their seeded order (shuffle.piece_order over every file's
-        pieces), and each one's end: the first record of the next piece of its file, or
-        WHOLE_FILE (a piece holds records [first_record, end)). Kept for the epoch being read
-        (`keep`); an epoch only planned ahead (a chain's) is computed again when read."""
-        if epoch in self._orders:
-            return self._orders[epoch]
-        flat: list[Piece] = []
-        ends: list[int] = []
-        for per_file in self.pieces():
-            flat += per_file
-            ends += [p.first_record for p in per_file[1:]] + [WHOLE_FILE]
-        flat, ends = self._lane_only(flat, ends)
-        perm = piece_order(len(flat), self.cfg.seed, self.salt, epoch)
-        ordered = ([flat[i] for i in perm], [ends[i] for i in perm])
-        if keep:
-            for old in [e for e in self._orders if e < epoch - 1]:
-                del self._orders[old]  # the current epoch and the one before are kept
-            self._orders[epoch] = ordered
-        return ordered
-
-    def _plan(
-        self, epoch: int, open_pieces: tuple[tuple[int, int], ...], next_piece: int,
-        keep: bool = True,
-    ) -> tuple[list[Unit], list[list[int]]]:  # fmt: skip
-        """The units that read `epoch` from a position: the open pieces (re-read on a
-        resume), then every piece from `next_piece` on; and each unit's piece ordinals."""
-        order, _ = self._order(epoch, keep)
-        late = [o for o, _ in open_pieces if o >= min(next_piece, len(order))]
-        if late:
-            raise StateError(
-                f"resume state: stream {self.name!r}: open piece {late[0]} was not opened yet "
-                f"(next piece {next_piece}, {len(order)} pieces in epoch {epoch}): a state of "
-                "other files or settings?"
-            )
-        todo = [o for o, _ in open_pieces] + list(range(next_piece, len(order)))
-        read = self.cfg.read
-        first = read.first_block_bytes if epoch == 0 else read.block_bytes  # as `units`
-        units = group_units([order[o] for o in todo], read.block_bytes, first)
-        ords, at = [], 0
-        for unit in units:
-            ords.append(todo[at : at + len(unit.pieces)])
-            at += len(unit.pieces)
-        return units, ords
+        return self.plan.units(epoch, keep)
 
     def __iter__(self) -> DocSource:
         return self
@@ -516,12 +400,12 @@ class DocSource:
         shuffle.Interleave; rejects handled in that order. Each document's cursor is the
         OpenPos just before its draw."""
         cap, c, p = self.max_tokens, self.counters, self.pos
-        order, _ = self._order(epoch)
+        order, _ = self.plan.order(epoch)
         shuffle, resumed = self.cfg.shuffle, self._open0
         il = Interleave(shuffle.pieces, self.cfg.seed, self.salt, epoch, len(order), p.unit,
                         p.row, resumed)  # fmt: skip
         self._il = il
-        units, ords = self._plan(epoch, resumed, p.unit)
+        units, ords = self.plan.plan(epoch, resumed, p.unit)
         pieces = self._piece_rows(epoch, self._interleaved_blocks(epoch, units), units, ords)
         ready: dict[int, list] = {}  # pieces read, not yet open (the rest of one unit at most)
         slots: dict[int, PieceRows] = {}  # the open pieces' rows
@@ -572,7 +456,7 @@ class DocSource:
                     ords: list[list[int]]) -> Iterator[tuple[int, list]]:  # fmt: skip
         """(piece ordinal, its rows as [(batch, first, stop)]) for every piece of `units`, in
         read order; a unit is split once it is whole (a later unit's rows, or the end)."""
-        order, ends = self._order(epoch)
+        order, ends = self.plan.order(epoch)
         position = {u.index: k for k, u in enumerate(units)}
         at, parts = 0, list[tuple[_Batch, int, int]]()
         for table in blocks:
