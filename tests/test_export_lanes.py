@@ -36,7 +36,7 @@ def test_a_laned_exports_lane_killed_starts_again_and_writes_the_same_bytes(
     streams, ray_cluster, tmp_path, monkeypatch, world, kills
 ):
     """World 2: each lane writes its rank's files. World 1: the rank spans both lanes, and
-    the export joins every step from the lanes' parts (LanedFeed.whole): a lane found dead
+    the export joins every step from the lanes' parts (LanedFeed.joined): a lane found dead
     there is started again too."""
     import ray
 

@@ -937,9 +937,9 @@ def test_laned_exports_write_their_files_in_the_lanes(small, streams, ray_cluste
     from pipeline.lanes import PENDING
 
     joined: list[int] = []
-    whole = LanedFeed.whole  # what the export joins itself
-    monkeypatch.setattr(LanedFeed, "whole",
-                        lambda f, s, *a: joined.append(s.step) or whole(f, s, *a))  # fmt: skip
+    join = LanedFeed.joined  # what the export joins itself
+    monkeypatch.setattr(LanedFeed, "joined",
+                        lambda f, s, *a: joined.append(s.step) or join(f, s, *a))  # fmt: skip
     for corpus, steps, tag in ((small, None, "small"), (streams, 5, "chat")):
         cfg = config(corpus, lanes)
         # Each case once across the three runs: a world smaller than K (ranks span lanes), K,
