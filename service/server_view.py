@@ -245,11 +245,11 @@ class ServerView:
                 "lag_normal_max": self.prefetch + min(LOOKAHEAD, self.prefetch),
                 "global_step": self.window.produced,
                 "held_steps": len(self.window.steps),
-                # `lanes` > 1: where each lane runs and the steps it holds (LanedFeed.lane_view)
+                # `lanes` > 1: where each lane runs and the steps it holds (LaneGroup.view)
                 "lanes": self.feed.lane_view(),
                 "lanes_waited_s": self.feed.waited_s,  # producer, on lanes
                 "lanes_chunks_ahead": self.feed.depth,  # LanedFeed.depth
-                # lanes started again after their process died (LanedFeed.restart)
+                # lanes started again after their process died (LaneGroup.restart)
                 "lanes_restarted": list(self.feed.restarted),
                 "prefetch": self.prefetch,
                 # Row bytes that passed through this (the control) process to ranks, and the

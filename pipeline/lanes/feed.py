@@ -105,7 +105,7 @@ def global_mixer(cfg: Config, step: int, part: dict | None, changed: bool) -> De
 
 class _Chunk:
     """Steps asked of every lane at once, one call each: the first step, how many, and each
-    lane's call (a restarted lane's is replaced in place, `LanedFeed.restart`)."""
+    lane's call (a restarted lane's is replaced in place, `LaneGroup.restart`)."""
 
     __slots__ = ("first", "n", "calls")
 

@@ -1,5 +1,5 @@
 """What a laned feed keeps to start a dead lane again from its state, and what it asks the
-new actor, in order (`Restarts`; the feed's `LanedFeed.restart` starts the actor).
+new actor, in order (`Restarts`; lanes/group.py `LaneGroup.restart` starts the actor).
 
 A holding lane (the batch server's) whose process died, killed or with its node, is started
 again from its kept state at the oldest step it still held: every rank had the steps before.

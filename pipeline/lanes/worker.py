@@ -59,7 +59,7 @@ class LaneWorker:
         # restarted from an earlier step makes the steps its ranks hold again) waits for it.
         self._made = threading.Condition(self._held_lock)
         self.unmade = 0  # the first step not yet held here (set once the feed stands)
-        # A restarted lane's (LanedFeed.restart): the digest of the state after each step it
+        # A restarted lane's (LaneGroup.restart): the digest of the state after each step it
         # makes again, as the dead lane gave it. A step made otherwise is not held: the lane
         # fails (`failed`), and so does every take that waits for it.
         self.expect = dict(expect or {})
@@ -208,7 +208,7 @@ class LaneWorker:
     def _held(self, step: int) -> tuple[StepChunk, int]:
         """Where held step `step` is (under `_held_lock`), or a LookupError naming what is
         held. A step this lane has yet to make is waited for, up to TAKE_WAIT_S: only a lane
-        restarted from an earlier step (lanes/feed.py `LanedFeed.restart`) is asked for one, while it makes
+        restarted from an earlier step (lanes/group.py `LaneGroup.restart`) is asked for one, while it makes
         again the steps its ranks were told of."""
         deadline = time.monotonic() + TAKE_WAIT_S
         while step not in self.held and step >= self.unmade:
