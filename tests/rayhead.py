@@ -46,6 +46,19 @@ def wait_listening(port: int, timeout: float = 120.0, alive=None) -> None:
     raise TimeoutError(f"nothing listens on {port}")
 
 
+def wait_said(path: Path, text: str, timeout: float = 120.0, alive=None) -> None:
+    """Until the file at `path` holds `text` (`timeout` as `patient` stretches it);
+    ChildProcessError if `alive` (a Popen) exits first."""
+    deadline = time.time() + patient(timeout)
+    while time.time() < deadline:
+        if text in path.read_text(errors="replace"):
+            return
+        if alive is not None and alive.poll() is not None:
+            raise ChildProcessError(f"the process exited ({alive.returncode})")
+        time.sleep(0.5)
+    raise TimeoutError(f"{path} did not say {text!r}")
+
+
 def wait_http(url: str, timeout: float = 120.0) -> dict:
     """The JSON `url` answers, once it answers (`timeout` as `patient` stretches it)."""
     import json
@@ -115,6 +128,9 @@ def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
     # open, is stopped and started again with new ports, once.
     for attempt in (1, 2):
         gcs, dash = free_port(), free_port()
+        # What `ray start` says goes to a file in its temp dir: why a head did not come up.
+        os.makedirs(temp, exist_ok=True)
+        log = open(f"{temp}/start-{attempt}.log", "w")  # noqa: SIM115 (closed below)
         proc = subprocess.Popen(
             [RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
              "--num-cpus=1", "--object-store-memory=200000000", f"--include-dashboard={str(dashboard).lower()}",
@@ -123,21 +139,31 @@ def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
              # second agent that cannot bind leaves "No available agent to submit job".
              f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
              f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )  # fmt: skip
         try:
             wait_listening(dash if dashboard else gcs, timeout=90.0, alive=proc)
+            # The GCS listens before the head's raylet has registered with it: a driver that
+            # joins in between fails ("Failed to connect to Ray cluster", seen on a loaded
+            # machine). `ray start` says so once its node is up.
+            wait_said(Path(log.name), "Ray runtime started.", timeout=90.0, alive=proc)
             break
         except (ChildProcessError, TimeoutError) as e:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            log.close()
+            said = Path(log.name).read_text(errors="replace")[-3000:]
+            print(f"ray start --head, attempt {attempt}: {e}\n{said}", file=sys.stderr)
             if attempt == 2:
-                raise TimeoutError(f"ray start --head did not come up, twice: {e}") from None
+                raise TimeoutError(
+                    f"ray start --head did not come up, twice: {e}\n{said}"
+                ) from None
     try:
         yield {"gcs": f"127.0.0.1:{gcs}", "dashboard": f"http://127.0.0.1:{dash}", "temp": temp}
     finally:
         stop_group(proc)
+        log.close()
         if own:
             shutil.rmtree(temp, ignore_errors=True)
 
