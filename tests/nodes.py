@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tests.rayhead import patient
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -85,14 +87,14 @@ def nodes(head: dict, workers: list[dict], env: dict, log: Path):
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line:
-            proc.wait(timeout=60)
+            proc.wait(timeout=patient(60))
             raise AssertionError(f"the cluster did not start:\n{log.read_text()[-3000:]}")
         yield Nodes(proc, json.loads(line))
     finally:
         with contextlib.suppress(Exception):
             assert proc.stdin is not None
             proc.stdin.close()
-            proc.wait(timeout=60)
+            proc.wait(timeout=patient(60))
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait()

@@ -69,7 +69,7 @@ def _launch(service: str, address: str, out: Path, steps: int, resume: str = "",
 
 def _results(proc: subprocess.Popen, out: Path) -> list[dict]:
     """Both ranks exited 0; what each saw."""
-    assert proc.wait(timeout=600) == 0, (out / "torchrun.log").read_text()[-6000:]
+    assert proc.wait(timeout=patient(600)) == 0, (out / "torchrun.log").read_text()[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

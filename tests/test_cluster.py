@@ -53,10 +53,10 @@ def config(tmp_path):
     return cfg
 
 
-def tokenmill(*args, env, timeout=300, cwd=None):
+def tokenmill(*args, env, timeout=None, cwd=None):
     t = time.time()
     r = subprocess.run([sys.executable, "-m", "service", *args], env=env, capture_output=True,
-                       text=True, timeout=timeout, cwd=cwd)  # fmt: skip
+                       text=True, timeout=timeout or patient(300), cwd=cwd)  # fmt: skip
     r.elapsed = time.time() - t
     return r
 
@@ -96,7 +96,7 @@ def test_a_cluster_without_token_auth_is_followed_whatever_the_client_holds(conf
         for extra, warned in (({}, False), ({"RAY_AUTH_MODE": "token"}, True)):
             out = tmp_path / f"out{int(warned)}"
             r = tokenmill("export", "--config", str(config), "--out", str(out), "--steps", "2",
-                          "--address", head["gcs"], env=env | extra, timeout=240)  # fmt: skip
+                          "--address", head["gcs"], env=env | extra, timeout=patient(240))  # fmt: skip
             assert r.returncode == 0, r.stderr[-3000:]
             assert json.loads((out / "summary.json").read_text())["steps_written"] == 2
             assert ("does not use token authentication" in r.stderr) == warned, r.stderr[-2000:]
@@ -107,7 +107,7 @@ def test_feed_connect_refuses_to_guess_between_clusters(foreign, ray_cluster):
     recorded: no address is ambiguous, and the error lists the clusters."""
     code = "from trainer.feed import Feed; Feed.connect(service='x', timeout_s=5)"
     r = subprocess.run([sys.executable, "-c", code], env=foreign["env"], capture_output=True,
-                       text=True, timeout=60)  # fmt: skip
+                       text=True, timeout=patient(60))  # fmt: skip
     assert r.returncode != 0
     assert "Ray clusters run here" in r.stderr and foreign["gcs"].split(":")[1] in r.stderr
 
@@ -117,7 +117,7 @@ def test_serve_on_the_token_cluster_then_stop_sigkill_and_restart(foreign, confi
     with serve_process(config, gcs, name, tmp_path, env) as svc:
         out = tmp_path / "r0.json"
         consumer = subprocess.run([sys.executable, "-c", CONSUMER, gcs, name, "0", "1", "3", str(out)],
-                                  env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+                                  env=env, capture_output=True, text=True, timeout=patient(180))  # fmt: skip
         assert consumer.returncode == 0, consumer.stderr[-2000:]
         assert [g["step"] for g in json.loads(out.read_text())["got"]] == [0, 1, 2]
         st = tokenmill("status", "--name", name, "--address", gcs, env=env)
@@ -153,6 +153,6 @@ except Exception as e:
 print("initialized:", ray.is_initialized())
 """
     r = subprocess.run([sys.executable, "-c", code], env=foreign["env"], capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
+                       text=True, timeout=patient(120))  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "refused:" in r.stdout and "initialized: False" in r.stdout, r.stdout

@@ -17,6 +17,7 @@ import yaml
 
 from pipeline.tokenize.chat import ChatEncoder
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 SPECIAL_TEXT = "see <|endoftext|> and <|im_end|> in text"
 
@@ -132,7 +133,7 @@ def test_two_chat_exports_at_once_equal_a_lone_one(ray_cluster, tmp_path):
     cfg = _chat_config(tmp_path)
     address = ray_cluster.get_runtime_context().gcs_address
     runs = [_export(cfg, tmp_path / f"pair{i}", address) for i in range(2)]
-    results = [(p, *p.communicate(timeout=300)) for p in runs]
+    results = [(p, *p.communicate(timeout=patient(300))) for p in runs]
     for p, _, err in results:
         assert p.returncode == 0, err[-3000:]
     # The lone run: the same export (Ray Data with a head start), in this process.

@@ -13,6 +13,7 @@ from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from service.export import run_export
 from tests.helpers import check_row, reassemble, rows_of
+from tests.rayhead import patient
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +142,7 @@ def test_cli_export_against_a_running_cluster(ray_cluster, corpus, tmp_path):
         r = subprocess.run(
             [sys.executable, "-m", "service", "export", "--config", str(cfg_path), "--out", str(tmp_path / out),
              "--steps", "3", "--address", address, "--pool-idle-s", "5", *flags],
-            capture_output=True, text=True, timeout=300,
+            capture_output=True, text=True, timeout=patient(300),
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
         assert "packing" in r.stdout

@@ -15,6 +15,7 @@ from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from service.export import run_export
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 from tests.test_pretokenized import SEQ, _corpus
 from wire.layout import compact, expand, read_step
 
@@ -379,7 +380,7 @@ def test_cli_export_exits_at_once_and_leaves_no_ray_process(tmp_path):
         r = subprocess.run(
             [sys.executable, "-m", "service", "export", "--config", str(tmp_path / "c.yaml"),
              "--out", f"{tmp_path / 'o'}/"],
-            env=env | {"RAY_TMPDIR": temp}, capture_output=True, text=True, timeout=300,
+            env=env | {"RAY_TMPDIR": temp}, capture_output=True, text=True, timeout=patient(300),
         )  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
         # Neither Ray's note on its connect thread's signals nor a doubled slash (issue 30).

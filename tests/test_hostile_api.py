@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.state.resume import StateError
 from tests import test_api
+from tests.rayhead import patient
 from tests.test_api import AUTH, take
 from wire.arrays import from_ipc
 
@@ -69,7 +70,7 @@ def test_concurrent_weight_changes_while_ranks_pull_are_all_accepted(client, ser
     for t in threads:
         t.join()
     stop.set()
-    puller.join(timeout=60)
+    puller.join(timeout=patient(60))
     assert not errors and len(answers) == 120
     step = server.window.ranks[0].next  # where the puller stopped
     while take(server, 0, 1, step, 30) is not None:  # to the end of the data

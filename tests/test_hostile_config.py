@@ -13,6 +13,7 @@ from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 
 def two_streams(tmp_path, wa, wb, **over):
@@ -49,7 +50,7 @@ def test_a_schedule_weight_that_overflows_is_named(tmp_path):
 
 def tokenmill(tmp_path, *args):
     return subprocess.run([sys.executable, "-m", "service", *args], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+                          text=True, timeout=patient(300), cwd=tmp_path)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from pipeline.read.resolve import parse_config
 from pipeline.stages.mixing import HISTORY_PAST
 from pipeline.state.resume import SEAL, StateError, check_state, digest, load_state, seal
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 
 def _cfg(d, mode="bfd"):
@@ -336,7 +337,7 @@ def test_export_resume_from_a_file_holding_null_fails_and_names_the_file(run, tm
     args = [sys.executable, "-m", "service", "export", "--config", str(tmp_path / "c.yaml"),
             "--out", str(tmp_path / "out"), "--steps", "2", "--local",
             "--resume", str(tmp_path / "null.json")]  # fmt: skip
-    r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(args, capture_output=True, text=True, timeout=patient(300))
     assert r.returncode != 0, r.stdout
     assert "null.json" in r.stderr and "must be a JSON object" in r.stderr, r.stderr
     assert not (tmp_path / "out" / "step-00000000-rank-0.parquet").exists()

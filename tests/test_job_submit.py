@@ -107,7 +107,7 @@ def test_job_submit_as_the_readme_says(head, clone, tmp_path):
     deadline = time.time() + patient(240)
     while True:  # the job server and agent come up a little after the dashboard port opens
         submit = subprocess.run(["bash", "-c", command], cwd=clone, capture_output=True,
-                                text=True, timeout=180, env=env)  # fmt: skip
+                                text=True, timeout=patient(180), env=env)  # fmt: skip
         starting = ("try again later", "Connection aborted", "Connection refused")
         if submit.returncode == 0 or not any(s in submit.stderr for s in starting):
             break
@@ -141,7 +141,7 @@ def test_job_submit_as_the_readme_says(head, clone, tmp_path):
         out = tmp_path / "r0.json"
         gcs = {"RAY_AUTH_TOKEN_PATH": head["token_path"]}
         r = subprocess.run([sys.executable, "-c", CONSUMER, head["gcs"], "tokenmill", "0", "1", "3", str(out)],
-                           capture_output=True, text=True, timeout=180, env=BASE_ENV | gcs)  # fmt: skip
+                           capture_output=True, text=True, timeout=patient(180), env=BASE_ENV | gcs)  # fmt: skip
         assert r.returncode == 0, r.stderr[-3000:]
         assert [g["step"] for g in json.loads(out.read_text())["got"]] == [0, 1, 2]
     finally:

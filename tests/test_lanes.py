@@ -586,7 +586,7 @@ def test_a_laned_service_serves_many_ranks_the_export_with_its_weight_change(
         watcher = threading.Thread(target=watch)
         watcher.start()
         for t in threads:
-            t.join(timeout=300)
+            t.join(timeout=patient(300))
         watcher.join()
         figures.append(ray.get(actor.metrics.remote()))
         for m in figures:
@@ -657,7 +657,7 @@ def test_laned_ranks_resuming_from_a_state_go_on_as_the_export(streams, ray_clus
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=300)
+            t.join(timeout=patient(300))
     finally:
         ray.kill(actor)
     want = exported(cfg, tmp_path, 6, 2)

@@ -211,11 +211,11 @@ def test_serve_outlives_its_ranks_at_the_end_of_the_data(ray_cluster, tmp_path):
         steps_file = tmp_path / "steps.json"
         rank = subprocess.Popen([sys.executable, "-c", RANK, name, str(steps_file), "0.4"],
                                 env=env, stderr=subprocess.PIPE, text=True)  # fmt: skip
-        _, err = rank.communicate(timeout=240)
+        _, err = rank.communicate(timeout=patient(240))
         assert rank.returncode == 0, err[-3000:]
         steps = json.loads(steps_file.read_text())
         assert steps == list(range(len(steps))) and len(steps) >= 2
-        assert serve.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert serve.wait(timeout=patient(60)) == 0, log.read_text()[-3000:]
         assert "every rank has taken its last step" in log.read_text()
     finally:
         for p in (rank, serve):
@@ -246,7 +246,7 @@ def test_a_second_serve_of_the_same_name_is_refused(tmp_path, monkeypatch):
     assert read_record("reused") is None and not service_file("reused").exists()
     env = os.environ | {"TOKENMILL_CACHE": str(tmp_path / "cache")}
     out = subprocess.run([sys.executable, "-m", "service", "stop", "--name", "missing"],
-                         env=env | {"RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=60)  # fmt: skip
+                         env=env | {"RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=patient(60))  # fmt: skip
     assert out.returncode == 1
     assert "no tokenmill service named 'missing' is recorded" in out.stderr, out.stderr
 

@@ -54,7 +54,7 @@ def test_good_names_and_the_cli(tmp_path, monkeypatch):
     env = os.environ | {"TOKENMILL_CACHE": str(tmp_path / "cache")}
     for verb in ("status", "stop"):
         r = subprocess.run([sys.executable, "-m", "service", verb, "--name", f"../../{victim.stem}"],
-                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+                           env=env, capture_output=True, text=True, timeout=patient(60))  # fmt: skip
         assert r.returncode == 2 and "invalid service name" in r.stderr, r.stderr
     assert victim.exists()
 
@@ -106,7 +106,7 @@ def test_serve_on_a_taken_port_exits_at_once_and_records_nothing(tmp_path):
         t0 = time.monotonic()
         r = subprocess.run([sys.executable, "-m", "service", "serve", "--config", str(_config(tmp_path)),
                             "--port", str(port), "--name", "b"], env=env, capture_output=True,
-                           text=True, timeout=120)  # fmt: skip
+                           text=True, timeout=patient(120))  # fmt: skip
         assert r.returncode == 1, r.stderr
         assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "--port" in r.stderr
         assert time.monotonic() - t0 < 60  # before Ray, not after a service started
@@ -138,14 +138,14 @@ def test_serve_on_port_0_records_and_reports_the_port_it_bound(tmp_path):
         assert port > 0 and port != free_port()
         assert wait_http(f"{api}/healthz", timeout=60)
         st = subprocess.run([sys.executable, "-m", "service", "status", "--name", name, "--json"],
-                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+                            env=env, capture_output=True, text=True, timeout=patient(120))  # fmt: skip
         assert st.returncode == 0, st.stderr
         assert api in st.stdout
     finally:
         subprocess.run([sys.executable, "-m", "service", "stop", "--name", name], env=env,
-                       capture_output=True, timeout=120)  # fmt: skip
+                       capture_output=True, timeout=patient(120))  # fmt: skip
         try:
-            serve.wait(timeout=60)
+            serve.wait(timeout=patient(60))
         except subprocess.TimeoutExpired:
             serve.kill()
             serve.wait()

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 BLOCKED = ("torch", "torchvision", "streaming")
 
@@ -89,6 +90,6 @@ def test_mds_without_streaming_is_a_clear_error(tmp_path):
     (mds / "index.json").write_text(json.dumps({"version": 2, "shards": []}))
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump({"streams": {"m": {"paths": [str(mds)], "format": "mds"}}}))
-    r = _run(["check", "--config", str(cfg)], env, timeout=120)
+    r = _run(["check", "--config", str(cfg)], env, timeout=patient(120))
     assert r.returncode != 0
     assert "pip install 'tokenmill[mds]'" in r.stdout + r.stderr, r.stdout + r.stderr

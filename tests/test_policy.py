@@ -301,7 +301,7 @@ def test_four_ranks_and_api_calls_at_once_get_the_lone_ranks_rows(tmp_path, ray_
     from wire.layout import expand
     from wire.protocol import ServiceBusy
 
-    spec = _config(tmp_path, wait_s=60).model_dump(mode="json")
+    spec = _config(tmp_path, wait_s=patient(60)).model_dump(mode="json")
     steps = 16
 
     def rows(reply) -> list[dict]:
@@ -342,7 +342,7 @@ def test_four_ranks_and_api_calls_at_once_get_the_lone_ranks_rows(tmp_path, ray_
         for t in (*threads, watcher):
             t.start()
         for t in threads:
-            t.join(timeout=300)
+            t.join(timeout=patient(300))
         done.set()
         watcher.join(timeout=30)
         assert not errors, errors

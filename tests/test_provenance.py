@@ -79,13 +79,13 @@ def test_the_same_from_world_sizes_a_state_and_the_cli(run):
         trace(cfg, [3], state=state)
     cli = subprocess.run(
         [sys.executable, "-m", "service", "trace", "--config", str(d / "c.yaml"), "--out",
-         str(d / "w2"), "--step", "9", "--json"], capture_output=True, text=True, timeout=120,
+         str(d / "w2"), "--step", "9", "--json"], capture_output=True, text=True, timeout=patient(120),
     )  # fmt: skip
     assert cli.returncode == 0, cli.stderr
     assert json.loads(cli.stdout) == two
     missing = subprocess.run(
         [sys.executable, "-m", "service", "trace", "--config", str(d / "c.yaml"), "--out",
-         str(d / "w2"), "--step", "40"], capture_output=True, text=True, timeout=120,
+         str(d / "w2"), "--step", "40"], capture_output=True, text=True, timeout=patient(120),
     )  # fmt: skip
     assert missing.returncode == 1 and "no files of step 40" in missing.stderr
     for rank, world, says in (("7", [], "outside world size 2"), ("-1", [], "--rank must be >= 0"),
@@ -93,7 +93,7 @@ def test_the_same_from_world_sizes_a_state_and_the_cli(run):
         outside = subprocess.run(
             [sys.executable, "-m", "service", "trace", "--config", str(d / "c.yaml"), "--out",
              str(d / "w2"), "--step", "9", "--rank", rank, *world], capture_output=True,
-            text=True, timeout=120,
+            text=True, timeout=patient(120),
         )  # fmt: skip
         assert outside.returncode == 2 and says in outside.stderr, (rank, outside.stderr)
 

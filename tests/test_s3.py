@@ -25,6 +25,7 @@ import yaml
 from pipeline.config import ConfigError
 from pipeline.read.resolve import parse_config
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 
 SECRET = "s3cr3t-Sh0uld-N0t-Leak-4242"
 KEY = "tokenmill-test-key"
@@ -151,13 +152,13 @@ def test_cli_export_from_s3_equals_the_local_export(endpoint, corpus, tmp_path):
         runs[name] = subprocess.run(
             [sys.executable, "-m", "service", "export", "--config", f"{name}.yaml",
              "--out", name, "--local"],
-            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_no_aws_env(),
+            capture_output=True, text=True, timeout=patient(300), cwd=tmp_path, env=_no_aws_env(),
         )  # fmt: skip
         assert runs[name].returncode == 0, runs[name].stderr[-3000:]
     _assert_same_steps(tmp_path / "local", tmp_path / "s3")
     check = subprocess.run(
         [sys.executable, "-m", "service", "check", "--config", "s3.yaml"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_no_aws_env(),
+        capture_output=True, text=True, timeout=patient(300), cwd=tmp_path, env=_no_aws_env(),
     )  # fmt: skip
     assert check.returncode == 0, check.stderr[-3000:]
     for r in (runs["s3"], check):

@@ -53,7 +53,7 @@ def test_two_consumer_processes_get_disjoint_rows_of_one_sequence(service, tmp_p
         for r in range(2)
     ]  # fmt: skip
     for p in procs:
-        assert p.wait(timeout=180) == 0
+        assert p.wait(timeout=patient(180)) == 0
     r0, r1 = (json.loads(o.read_text()) for o in outs)
     assert [g["step"] for g in r0["got"]] == [g["step"] for g in r1["got"]] == [0, 1, 2, 3, 4]
     for a, b in zip(r0["got"], r1["got"], strict=True):

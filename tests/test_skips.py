@@ -338,7 +338,7 @@ def test_a_live_skip_while_four_ranks_pull_and_the_api_reads(corpus, ray_cluster
             time.sleep(0.05)
         at = srv.skip(steps=[1, 2], why="together")["step"]
         for t in threads:
-            t.join(timeout=120)
+            t.join(timeout=patient(120))
         done.set()
         watcher.join(timeout=30)
         assert not errors, errors

@@ -65,7 +65,7 @@ def test_stop_drains_and_never_kills_the_trainers(tmp_path, now):
         if not now:
             st = subprocess.run([sys.executable, "-m", "service", "status", "--name", name,
                                  "--wait", "150"],
-                                env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
+                                env=env, capture_output=True, text=True, timeout=patient(180))  # fmt: skip
             assert st.returncode == 0 and f"service   {name}" in st.stdout, st.stdout + st.stderr
         outs = [tmp_path / f"rank{r}.json" for r in range(2)]
         ranks = [subprocess.Popen([sys.executable, "-c", RANK, name, str(r), str(outs[r]), "0.3"],
@@ -76,14 +76,14 @@ def test_stop_drains_and_never_kills_the_trainers(tmp_path, now):
             time.sleep(0.1)
         stop = subprocess.run([sys.executable, "-m", "service", "stop", "--name", name,
                                *(["--now"] if now else [])], env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
+                              text=True, timeout=patient(300))  # fmt: skip
         assert stop.returncode == 0 and f"stopped {name!r}" in stop.stdout, (
             stop.stdout + stop.stderr
         )
         for p in ranks:
-            _, err = p.communicate(timeout=120)
+            _, err = p.communicate(timeout=patient(120))
             assert p.returncode == 0, err[-3000:]  # a clean end, and its Ray stayed up
-        assert serve.wait(timeout=60) == 0, log.read_text()[-3000:]
+        assert serve.wait(timeout=patient(60)) == 0, log.read_text()[-3000:]
         served_out = time.time()
         got = [json.loads(o.read_text()) for o in outs]
         text = log.read_text()

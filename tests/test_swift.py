@@ -20,6 +20,7 @@ import pytest
 from pipeline.read.resolve import parse_config
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 from tests.test_ranks import exported
 from trainer.adapters import FEED_STATE_FILE
 
@@ -267,5 +268,5 @@ print("ok", gap, cross)
 def test_swift_venv_refusals_and_packed_loss_equals_unpacked(tiny_qwen):
     proc = subprocess.run([str(SWIFT_BIN / "python"), "-c", textwrap.dedent(CHECKS), str(tiny_qwen)],
                           env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+                          text=True, timeout=patient(300))  # fmt: skip
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -15,6 +15,7 @@ from pipeline.read.resolve import parse_config
 from pipeline.tokenize.engines import load_tokenizer
 from pipeline.tokenize.files import DOWNLOAD_ENV, sentencepiece_tokenizer_file
 from tests.conftest import stdlib_texts
+from tests.rayhead import patient
 
 WORDS = ["hello", "world", "a", "b", "the", "<", ">", "s", "/", "|"]
 
@@ -290,7 +291,7 @@ def test_a_hub_name_in_the_local_cache_loads_offline(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", DOWNLOAD_ENV))}
     env |= {"HF_HUB_CACHE": str(tmp_path / "hub"), "TOKENMILL_CACHE": str(tmp_path / "tm")}
     r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=patient(120)
     )
     assert r.returncode == 0, r.stderr[-2000:]
     ids = {w: i for i, w in enumerate(["[UNK]", *WORDS])}

@@ -11,7 +11,7 @@ import pytest
 from pipeline.read.resolve import parse_config
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
-from tests.rayhead import free_port
+from tests.rayhead import free_port, patient
 
 pytestmark = pytest.mark.slow
 SMALL = ["--hidden", "32", "--layers", "1", "--lr", "3e-3"]
@@ -39,7 +39,11 @@ def torchrun(ray_cluster, ranks, service, *args):
            "-m", "trainer.train", "--service", service,
            "--address", ray_cluster.get_runtime_context().gcs_address, *SMALL, *args]  # fmt: skip
     r = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env=os.environ | {"OMP_NUM_THREADS": "1"}
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=patient(300),
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
@@ -83,7 +87,7 @@ def test_demo_with_the_mixing_policy_shows_its_weight_history(ray_cluster, tmp_p
     r = subprocess.run([sys.executable, "-m", "service", "demo", "--steps", "10", "--policy",
                         "--address", address, "--json", str(tmp_path / "s.json"),
                         "--out", str(tmp_path / "work")],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+                       capture_output=True, text=True, timeout=patient(600))  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     s = json.loads((tmp_path / "s.json").read_text())
     # The demo's summary: what it prints and writes.
@@ -125,7 +129,7 @@ def test_the_mixing_policy_under_torchrun_resumes_on_a_new_service(ray_cluster, 
     cfg = parse_config({"seed": 5, "seq_len": 64, "global_batch_size": 4, "shuffle": {"window": 4},
                         "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")], "weight": 0.5},
                                     "b": {"paths": [str(tmp_path / "b.jsonl")], "weight": 0.5}},
-                        "mixing": {"policy": {"every": 2, "delay": 1, "wait_s": 60}}})  # fmt: skip
+                        "mixing": {"policy": {"every": 2, "delay": 1, "wait_s": patient(60)}}})  # fmt: skip
     ckpt = tmp_path / "ckpt"
     first = start_server(cfg, name=f"policy1-{os.getpid()}", prefetch=4)
     try:
