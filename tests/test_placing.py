@@ -92,8 +92,10 @@ def test_a_lane_started_again_that_no_node_can_hold_fails_the_service_naming_it(
     blocker = None
     try:
         assert resolved(srv, srv.get(0, 1, 0, 120.0), 0, 1).runs
-        service = srv.feed.cfg.service.model_copy(update={"place_timeout_s": 3.0})
-        srv.feed.cfg = srv.feed.cfg.model_copy(update={"service": service})
+        # The lanes as the control starts them again (lanes/group.py) read this limit.
+        group = srv.feed.group
+        service = group.cfg.service.model_copy(update={"place_timeout_s": 3.0})
+        group.cfg = group.cfg.model_copy(update={"service": service})
         deadline = time.time() + patient(30)
         while srv.producer.window.room():  # the producer waits for the rank
             assert time.time() < deadline, "the window did not fill"
