@@ -9,6 +9,7 @@ RAY_AUTH_MODE for tokenmill's processes.
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,14 +35,18 @@ def foreign():
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     env = BASE_ENV | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    with ray_head(env, temp=f"{root}/ray") as head:
-        deadline = time.time() + patient(60)  # `ray start` writes it once the head is up
-        while not (Path(root) / "ray" / "ray_current_cluster").exists():
-            assert time.time() < deadline, "the foreign cluster did not come up"
-            time.sleep(0.5)
-        # What a user of this machine has: Ray's temp dir pointing at the foreign cluster,
-        # and the cluster's token where Ray documents it. Nothing else.
-        yield head | {"env": BASE_ENV | {"TMPDIR": root, "RAY_AUTH_TOKEN_PATH": str(token)}}
+    try:
+        with ray_head(env, temp=f"{root}/ray") as head:
+            deadline = time.time() + patient(60)  # `ray start` writes it once the head is up
+            while not (Path(root) / "ray" / "ray_current_cluster").exists():
+                assert time.time() < deadline, "the foreign cluster did not come up"
+                time.sleep(0.5)
+            # What a user of this machine has: Ray's temp dir pointing at the foreign cluster,
+            # and the cluster's token where Ray documents it. Nothing else.
+            yield head | {"env": BASE_ENV | {"TMPDIR": root, "RAY_AUTH_TOKEN_PATH": str(token)}}
+    finally:
+        # in /tmp, not pytest's tmp_path (Ray's socket paths must stay short): removed here
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
