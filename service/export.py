@@ -280,17 +280,7 @@ def run_export(
     (pipeline/read/headstart.py); `reading.iter_blocks_local` makes everything in this process.
     `leave_out`: documents to leave out from the first step written on.
     """
-    if cfg.mixing.policy is not None:
-        raise ValueError(
-            "mixing.policy follows the loss the trainer ranks report, and an export has no "
-            "trainer: serve this config (tokenmill serve), or export it without mixing.policy"
-        )
-    if cfg.global_batch_size % world_size:
-        raise ValueError(
-            f"--world-size {world_size} does not divide global_batch_size {cfg.global_batch_size}"
-        )
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+    _check_export(cfg, world_size, layout)
     started = process_started() if started is None else started
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -312,20 +302,7 @@ def run_export(
                                         leave_out=leave_out, full=full,
                                         state_every=state_every, ray_ready=ray_ready)  # fmt: skip
         at_start = feed.totals()  # a resumed feed's counts start at its state's
-        while steps is None or files.written < steps:
-            want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
-            batches = feed.steps(want, state_every)
-            for batch, state in batches:
-                if feed.hold:  # the step's rows are in the lanes, some of its files too
-                    files.from_lanes(batch, state, feed)  # type: ignore[arg-type]
-                    feed.release(batch.step + 1)
-                else:
-                    files.step(batch, state)
-            files.rejects(feed)
-            if progress:
-                progress(files.written, files.tokens, time.monotonic() - started)
-            if len(batches) < want:
-                break
+        _write_steps(feed, files, steps, state_every, progress, started)
         summary = feed.summary()
         this_run = feed.totals().since(at_start)
     finally:
@@ -351,6 +328,41 @@ def run_export(
     )
     # The figure printed includes writing the summary.
     return replace(summary, export=replace(report, wall_s=time.monotonic() - started))
+
+
+def _check_export(cfg: Config, world_size: int, layout: str) -> None:
+    """What an export refuses before it starts anything, each with what to do instead."""
+    if cfg.mixing.policy is not None:
+        raise ValueError(
+            "mixing.policy follows the loss the trainer ranks report, and an export has no "
+            "trainer: serve this config (tokenmill serve), or export it without mixing.policy"
+        )
+    if cfg.global_batch_size % world_size:
+        raise ValueError(
+            f"--world-size {world_size} does not divide global_batch_size {cfg.global_batch_size}"
+        )
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {', '.join(LAYOUTS)}")
+
+
+def _write_steps(feed: StepFeed | LanedFeed, files: _StepFiles, steps: int | None,
+                 state_every: int, progress, started: float) -> None:  # fmt: skip
+    """Up to `steps` steps (all when None) from `feed` into `files`, a call's worth at a time,
+    the rejects after each call; `progress(steps, tokens, seconds)` after each call too."""
+    while steps is None or files.written < steps:
+        want = STEPS_PER_CALL if steps is None else min(STEPS_PER_CALL, steps - files.written)
+        batches = feed.steps(want, state_every)
+        for batch, state in batches:
+            if feed.hold:  # the step's rows are in the lanes, some of its files too
+                files.from_lanes(batch, state, feed)  # type: ignore[arg-type]
+                feed.release(batch.step + 1)
+            else:
+                files.step(batch, state)
+        files.rejects(feed)
+        if progress:
+            progress(files.written, files.tokens, time.monotonic() - started)
+        if len(batches) < want:
+            return
 
 
 def _timings(reads: FirstReads, started, begun, files: _StepFiles, marks) -> dict:
