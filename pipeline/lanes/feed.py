@@ -145,13 +145,7 @@ class LanedFeed:
         self.full_batches = full_batches
         self.state_every = state_every
         K = cfg.lanes
-        parts: list[dict | None] = [None] * K
-        self.step = 0
-        if state is not None:
-            parts = list(check_laned_state(state, self.config_hash, self.names,
-                                           allow_config_change, cfg.packing.mode, K,
-                                           cfg.global_batch_size))  # fmt: skip
-            self.step = int(state[STEP])
+        parts, self.step = self._resumed(state, allow_config_change)
         # What was served since step 0: rows, real tokens, per stream tokens and documents.
         self.rows, self.real_tokens, self.tokens, self.docs_emitted = served_before(
             parts, self.names
@@ -174,28 +168,12 @@ class LanedFeed:
         self.mixer.begin_step(self.step)
         self.finished = False
         self._ready: collections.deque = collections.deque()
-        # The chunks asked for ahead (in_flight): each its step count and the lanes' answers.
-        self._pending: collections.deque[_Chunk] = collections.deque()
-        self._current: _Chunk | None = None  # the chunk being joined (`_fill`)
-        self._asked = self.step  # steps asked of every lane: the first step no lane has begun
-        self._first = self.step  # the first call asks STEPS_PER_CALL: the first step comes sooner
-        # Chunks asked ahead of the one joined: `in_flight` while the lanes keep ahead, more
-        # while the control waits on them (`next_depth`, `most_in_flight`).
-        self.depth = self._least_depth = in_flight(K)
-        # Whether the ranks, not the lanes, set the pace (the batch server's: True once its
-        # window was full, False once a rank waited for a step): a chunk not made yet is then
-        # no reason to ask further ahead. With ranks that take 64 steps a call, the producer
-        # makes each 64 as fast as the lanes can while the ranks train on the last: told only
-        # whether the window filled since the last chunk, the control asked 16 chunks ahead
-        # most of a run of ranks taking a step per 50 ms (`bench.lane_restart --step-ms 50`).
-        self.ranks_behind = False
-        self._most_depth = most_in_flight(cfg)
-        self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
-        cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
+        self._begin_asking()
         # Lanes make steps in the compact layout when this feed does; a step whose lanes
         # differ in layout (one kept labels it could not derive) is joined in full, then
         # compacted again (`_join`). Documents to leave out go to every lane: each meets only
         # its own.
+        cfg_json = cfg.model_dump(mode="json", context={"reveal_secrets": True})
         args = [(cfg_json, k, parts[k], allow_config_change, full_batches, local, not local,
                  leave_out, self.hold, self.writes) for k in range(K)]  # fmt: skip
         # A holding lane whose process died is started again from its state at the oldest
@@ -209,16 +187,50 @@ class LanedFeed:
                                in_flight=self._in_flight,
                                wait_for_figures=wait_for_figures)  # fmt: skip
         # The state after the last step handed out; at the start, the lanes' own.
-        self._state: Nested | None = None
-        if state_every:
-            try:
-                states = [self.group.ask(k, "state") for k in range(K)]
-            except BaseException:
-                self.close()  # no lane is left waiting to be placed, or holding its reads
-                raise
-            self._state = self._nest(states)
-            self.group.restarts.keep(self.step, states)
+        self._state: Nested | None = self._first_state() if state_every else None
         self.first_step_at: float | None = None
+
+    def _resumed(self, state: dict | None, allow_config_change: bool
+                 ) -> tuple[list[dict | None], int]:  # fmt: skip
+        """Each lane's part of a resumed run's `state` (checked against this config), and the
+        step it resumes at; at a start, no parts and step 0."""
+        cfg = self.cfg
+        if state is None:
+            return [None] * cfg.lanes, 0
+        parts = check_laned_state(state, self.config_hash, self.names, allow_config_change,
+                                  cfg.packing.mode, cfg.lanes, cfg.global_batch_size)  # fmt: skip
+        return list(parts), int(state[STEP])
+
+    def _begin_asking(self) -> None:
+        """Nothing asked of the lanes yet: the chunk scheduling's bookkeeping at `self.step`."""
+        # The chunks asked for ahead (in_flight): each its step count and the lanes' answers.
+        self._pending: collections.deque[_Chunk] = collections.deque()
+        self._current: _Chunk | None = None  # the chunk being joined (`_fill`)
+        self._asked = self.step  # steps asked of every lane: the first step no lane has begun
+        self._first = self.step  # the first call asks STEPS_PER_CALL: the first step comes sooner
+        # Chunks asked ahead of the one joined: `in_flight` while the lanes keep ahead, more
+        # while the control waits on them (`next_depth`, `most_in_flight`).
+        self.depth = self._least_depth = in_flight(self.cfg.lanes)
+        # Whether the ranks, not the lanes, set the pace (the batch server's: True once its
+        # window was full, False once a rank waited for a step): a chunk not made yet is then
+        # no reason to ask further ahead. With ranks that take 64 steps a call, the producer
+        # makes each 64 as fast as the lanes can while the ranks train on the last: told only
+        # whether the window filled since the last chunk, the control asked 16 chunks ahead
+        # most of a run of ranks taking a step per 50 ms (`bench.lane_restart --step-ms 50`).
+        self.ranks_behind = False
+        self._most_depth = most_in_flight(self.cfg)
+        self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
+
+    def _first_state(self) -> Nested:
+        """The lanes' states at the start (or the resumed step), nested and kept for a
+        restart; a lane that fails to answer closes the feed first."""
+        try:
+            states = [self.group.ask(k, "state") for k in range(self.cfg.lanes)]
+        except BaseException:
+            self.close()  # no lane is left waiting to be placed, or holding its reads
+            raise
+        self.group.restarts.keep(self.step, states)
+        return self._nest(states)
 
     def _in_flight(self) -> tuple[list[_Chunk], int, list[tuple[int, list]]]:
         """Under the lock, for a restart: the chunks asked and not yet joined, the first step
