@@ -313,6 +313,30 @@ def _reads(backend: Backend) -> APIRouter:
     return router
 
 
+def _check_mixture(weights: dict[str, float], streams: list[str]) -> None:
+    """A 400 unless `weights` gives every one of `streams` a valid weight, and nothing else."""
+    for name, v in weights.items():
+        try:
+            check_weight(name, v)
+        except ValueError as e:
+            raise HTTPException(400, str(e)) from None
+    listed = ", ".join(repr(n) for n in streams)
+    unknown = [n for n in weights if n not in streams]
+    if unknown:
+        names = ", ".join(repr(n) for n in unknown)
+        raise HTTPException(
+            400, f"unknown stream{'s' if len(unknown) > 1 else ''} {names}; streams are {listed}"
+        )
+    missing = [n for n in streams if n not in weights]
+    if missing:
+        names = ", ".join(repr(n) for n in missing)
+        raise HTTPException(
+            400,
+            f"weights must name every stream; missing {names} (a PUT replaces the whole "
+            f"mixture, it is not merged: give 0 to turn a stream off; streams are {listed})",
+        )
+
+
 def _guarded(backend: Backend) -> APIRouter:
     """What needs `Authorization: Bearer <token>` (`create_app` adds `require_token`): every
     change of course (mixture, skips, pause, resume) and a step's provenance (it reveals the
@@ -325,28 +349,7 @@ def _guarded(backend: Backend) -> APIRouter:
         description=PUT_MIXTURE_DOC,
     )
     def put_mixture(update: MixtureUpdate) -> dict:
-        for name, v in update.weights.items():
-            try:
-                check_weight(name, v)
-            except ValueError as e:
-                raise HTTPException(400, str(e)) from None
-        streams = list(backend.call("status")["streams"])
-        listed = ", ".join(repr(n) for n in streams)
-        unknown = [n for n in update.weights if n not in streams]
-        if unknown:
-            names = ", ".join(repr(n) for n in unknown)
-            raise HTTPException(
-                400,
-                f"unknown stream{'s' if len(unknown) > 1 else ''} {names}; streams are {listed}",
-            )
-        missing = [n for n in streams if n not in update.weights]
-        if missing:
-            names = ", ".join(repr(n) for n in missing)
-            raise HTTPException(
-                400,
-                f"weights must name every stream; missing {names} (a PUT replaces the whole "
-                f"mixture, it is not merged: give 0 to turn a stream off; streams are {listed})",
-            )
+        _check_mixture(update.weights, list(backend.call("status")["streams"]))
         step = _answered(backend.call, "set_weights", dict(update.weights), value=400)
         return {"effective_step": step}
 
