@@ -195,7 +195,7 @@ def load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict]:
     return state["step"], feed
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="trainer.train", description=__doc__.splitlines()[0])
     p.add_argument("--service", default="tokenmill", help="name of the tokenmill service")
     p.add_argument("--address", default=None, help="Ray address (default: auto)")
@@ -215,9 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--resume needs --checkpoint DIR")
     if args.steps < 1 or args.grad_accum < 1:
         p.error(f"--steps and --grad-accum must be >= 1, got {args.steps}, {args.grad_accum}")
+    return args
 
-    from trainer.feed import Feed
 
+def _join_world() -> tuple[bool, int, torch.device]:
+    """Under torchrun (WORLD_SIZE set): the process group joined (NCCL on CUDA, else gloo).
+    Whether distributed, the local rank, and the device this process trains on."""
     distributed = "WORLD_SIZE" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     cuda = torch.cuda.is_available()
@@ -226,6 +229,15 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.set_device(device)
     if distributed:
         dist.init_process_group("nccl" if cuda else "gloo")
+    return distributed, local_rank, device
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _arguments(argv)
+    from trainer.feed import Feed
+
+    distributed, local_rank, device = _join_world()
+    cuda = device.type == "cuda"
     rank, world = _world()
 
     torch.manual_seed(args.seed)
