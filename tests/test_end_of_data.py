@@ -12,6 +12,7 @@ import ray
 from pipeline.read.resolve import parse_config
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
+from tests.rayhead import patient
 from tests.test_adapters import LENGTH, hf_run
 from tests.test_trainer_service import torchrun
 
@@ -59,7 +60,7 @@ def test_torchrun_trainer_trains_on_every_step_then_exits_0(ray_cluster, short_s
     summary = json.loads(next(x for x in out.splitlines() if x.startswith('{"summary"')))["summary"]
     assert summary["steps"] == total >= 4  # grad_accum 1: one optimizer step per global step
     # Both ranks reported their loss per stream for every step (fire and forget: allow a beat).
-    deadline = time.time() + 10
+    deadline = time.time() + patient(10)
     while len(ray.get(actor.metrics.remote())["stream_loss"]["history"]) < total:
         assert time.time() < deadline, ray.get(actor.metrics.remote())["stream_loss"]
         time.sleep(0.2)

@@ -387,7 +387,7 @@ def test_cli_export_exits_at_once_and_leaves_no_ray_process(tmp_path):
         assert "SIGTERM handler" not in r.stdout + r.stderr, r.stderr[-3000:]
         assert f"wrote {tmp_path / 'o'}/ (" in r.stdout and "//" not in r.stdout, r.stdout
         assert json.loads((tmp_path / "o" / "summary.json").read_text())["steps_written"] > 0
-        deadline = time.time() + 10
+        deadline = time.time() + patient(10)
         while (left := _processes_mentioning(temp)) and time.time() < deadline:
             time.sleep(0.5)
         assert not left, left

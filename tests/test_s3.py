@@ -58,7 +58,7 @@ def endpoint():
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + patient(60)
         while True:
             try:
                 urllib.request.urlopen(url, timeout=2).close()

@@ -44,6 +44,8 @@ from pipeline.read.reading import Executor, Prefetcher, Unit, tokenize_unit_json
 NAMESPACE = "tokenmill"
 IN_FLIGHT_PER_ACTOR = 2  # units queued per actor: one running, one waiting
 GROW_EVERY_S = 10.0  # how often a pool that follows the cluster's CPUs looks for more
+FIRST_CALL_S = 300.0  # how long a new actor waits for its first call (TokenizeWorker)
+RETRIES = 3  # a unit whose actor died is asked of a new one up to this many times
 
 
 @functools.cache
@@ -64,33 +66,43 @@ class TokenizeWorker:
     """One warm process: tokenizes units, exits after `idle_s` seconds without one.
 
     Threads: Ray runs the actor's calls one at a time (no concurrency groups), and its idle
-    thread only reads `last`, a float each call replaces whole (a stale read costs one more
-    sleep, never an early exit: it is written before and after every unit). The tokenizer
-    is the process-wide `load_tokenizer` one, keyed by the tokenizer file's content, so a
-    file rewritten between two exports is not encoded with the old one.
+    thread only reads `last`, a float each call replaces whole, and `busy`, set while a unit
+    is made (a stale read costs one more sleep, never an early exit: `last` is written before
+    and after every unit). A unit that takes longer than `idle_s` (the first one loads the
+    tokenizer; a loaded machine stretches any) never makes the actor exit under it. The
+    tokenizer is the process-wide `load_tokenizer` one, keyed by the tokenizer file's content,
+    so a file rewritten between two exports is not encoded with the old one.
     """
 
     def __init__(self, idle_s: float):
         self.idle_s = idle_s
         self.last = time.monotonic()
+        self.busy = False
+        self.called = False  # no call begun yet
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
+    def _idle_for(self) -> float:
+        # Before its first call, at least FIRST_CALL_S: the calls an export asks of a new actor
+        # are on their way, and the first to begin (its method's code loaded, its arguments
+        # read) took over 20 s on a machine whose cores other work kept busy.
+        return self.idle_s if self.called else max(self.idle_s, FIRST_CALL_S)
+
     def _exit_when_idle(self) -> None:
-        while time.monotonic() - self.last < self.idle_s:
+        while self.busy or time.monotonic() - self.last < self._idle_for():
             time.sleep(min(5.0, self.idle_s))
         os._exit(0)  # detached: nothing else ends it; Ray frees the name and the CPU
 
     def ready(self) -> int:
         """Keep warm a while longer; the process id (a test checks it is reused)."""
-        self.last = time.monotonic()
+        self.last, self.called = time.monotonic(), True
         return os.getpid()
 
     def tokenize(self, unit: str, stream: dict, tokenizer: dict) -> pa.Table:
-        self.last = time.monotonic()
+        self.last, self.busy, self.called = time.monotonic(), True, True
         try:
             return tokenize_unit_json(unit, stream, tokenizer)
         finally:
-            self.last = time.monotonic()
+            self.last, self.busy = time.monotonic(), False
 
 
 def _actor(i: int, idle_s: float):
@@ -141,12 +153,36 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
             pending.append(submit(nxt))
             nxt += 1
         ref = pending.popleft()
+        for attempt in range(RETRIES + 1):
+            try:
+                block = _get_keeping_warm(ref, actors, idle_s)
+                break
+            except ray.exceptions.RayActorError:
+                # An actor idled out (or died) between lookup and call: a new one does the
+                # unit. Its name may still find the exiting actor for a moment (the GCS frees
+                # it once the process is gone), so a few tries, a second apart.
+                if attempt == RETRIES:
+                    raise
+                time.sleep(attempt)
+                actors[k % len(actors)] = _actor(k % len(actors), idle_s)
+                ref = submit(k)
+        yield block
+
+
+def _get_keeping_warm(ref, actors: list, idle_s: float) -> pa.Table:
+    """`ray.get(ref)`, keeping every actor of the pool warm meanwhile. An actor that made the
+    units asked of it waits for this process to ask more, which it does only once it has the
+    blocks before: while it waits on a slower actor (the first unit loads the tokenizer; a
+    loaded machine or node slows any), the others would count that wait as idle and exit
+    under a running export."""
+    import ray
+
+    while True:
         try:
-            yield ray.get(ref)
-        except ray.exceptions.RayActorError:
-            # An actor idled out (or died) between lookup and call: a new one does the unit.
-            actors[k % len(actors)] = _actor(k % len(actors), idle_s)
-            yield ray.get(submit(k))
+            return ray.get(ref, timeout=max(1.0, idle_s / 3))
+        except ray.exceptions.GetTimeoutError:
+            for actor in actors:
+                actor.ready.remote()  # answered by nobody: keeps it warm only
 
 
 def _size(size: int | None) -> int:
