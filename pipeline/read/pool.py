@@ -160,7 +160,7 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
             except ray.exceptions.RayActorError:
                 # An actor idled out (or died) between lookup and call: a new one does the
                 # unit. Its name may still find the exiting actor for a moment (the GCS frees
-                # it once the process is gone), so a few tries, a second apart.
+                # it once the process is gone), so a few tries, 0, 1 and 2 s apart.
                 if attempt == RETRIES:
                     raise
                 time.sleep(attempt)
