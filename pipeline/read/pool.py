@@ -10,8 +10,8 @@ memory.
 When `tokenmill export` joins a running cluster (`--address`, RAY_ADDRESS; `--pool 0` opts
 out), or with `--pool N`, units go instead to actors (by default as many as the cluster has
 CPUs) named `tokenmill-tokenize-<code>-<i>` in the `tokenmill` namespace, created by the first
-export that asks and kept for `idle_s` seconds after their last unit (then they exit and give
-their memory back). Not with a private local Ray: it ends with the export. A later export
+export that asks and kept for `idle_s` seconds after the last export using them lets go (then
+they exit and give their memory back; `TokenizeWorker`). Not with a private local Ray: it ends with the export. A later export
 finds them warm: imports done, tokenizer loaded. `<code>` is a digest of the pipeline's source
 files, so an export never uses workers that run other code than its own.
 
@@ -27,11 +27,13 @@ Size it to the cores it should use (`--pool N`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import hashlib
 import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -44,7 +46,6 @@ from pipeline.read.reading import Executor, Prefetcher, Unit, tokenize_unit_json
 NAMESPACE = "tokenmill"
 IN_FLIGHT_PER_ACTOR = 2  # units queued per actor: one running, one waiting
 GROW_EVERY_S = 10.0  # how often a pool that follows the cluster's CPUs looks for more
-FIRST_CALL_S = 300.0  # how long a new actor waits for its first call (TokenizeWorker)
 RETRIES = 3  # a unit whose actor died is asked of a new one up to this many times
 
 
@@ -62,50 +63,85 @@ def _name(i: int) -> str:
     return f"tokenmill-tokenize-{code_digest()}-{i}"
 
 
-class TokenizeWorker:
-    """One warm process: tokenizes units, exits after `idle_s` seconds without one.
+def _live_jobs() -> set[str]:
+    """The ids of the cluster's jobs whose driver is still connected (the GCS's job table)."""
+    from ray._private import state
 
-    Threads: Ray runs the actor's calls one at a time (no concurrency groups), and its idle
-    thread only reads `last`, a float each call replaces whole, and `busy`, set while a unit
-    is made (a stale read costs one more sleep, never an early exit: `last` is written before
-    and after every unit). A unit that takes longer than `idle_s` (the first one loads the
-    tokenizer; a loaded machine stretches any) never makes the actor exit under it. The
-    tokenizer is the process-wide `load_tokenizer` one, keyed by the tokenizer file's content,
-    so a file rewritten between two exports is not encoded with the old one.
+    return {job["JobID"] for job in state.jobs() if not job["IsDead"]}
+
+
+class TokenizeWorker:
+    """One warm process: tokenizes units for the exports that hold it; exits `idle_s` seconds
+    after the last of them lets go.
+
+    Why holds and not an idle timer alone: an export asks an actor for its next units only
+    once it has the blocks before, so while it waits on a slower actor (the first unit loads
+    the tokenizer; a loaded node slows any) the others hear nothing from it. Ray runs its
+    workers at niceness 15: beside a user's own work on the same cores a call took over 20 s
+    to reach an actor here, longer than any idle time a pool can afford, so no message from
+    the export can tell a starved actor from an idle one. A hold can: each export holds the
+    actor from its first call (or from creating it) until it lets go (`release`, after its
+    last unit), and a hold whose job's driver is gone (killed: no release comes) is dropped
+    by the GCS's job table. The idle time counts only while nothing holds the actor.
+
+    Threads: Ray runs the actor's calls one at a time (no concurrency groups); its idle thread
+    reads `holds` and `last` under `lock`. The tokenizer is the process-wide `load_tokenizer`
+    one, keyed by the tokenizer file's content, so a file rewritten between two exports is not
+    encoded with the old one.
     """
 
-    def __init__(self, idle_s: float):
+    def __init__(self, idle_s: float, holder: tuple[str, str]):
         self.idle_s = idle_s
+        self.lock = threading.Lock()
+        self.holds: dict[str, str] = {}  # an export's token -> its job's id
         self.last = time.monotonic()
-        self.busy = False
-        self.called = False  # no call begun yet
+        self._hold(holder)
         threading.Thread(target=self._exit_when_idle, daemon=True).start()
 
-    def _idle_for(self) -> float:
-        # Before its first call, at least FIRST_CALL_S: the calls an export asks of a new actor
-        # are on their way, and the first to begin (its method's code loaded, its arguments
-        # read) took over 20 s on a machine whose cores other work kept busy.
-        return self.idle_s if self.called else max(self.idle_s, FIRST_CALL_S)
+    def _hold(self, holder: tuple[str, str]) -> None:
+        token, job = holder
+        with self.lock:
+            self.holds[token] = job
+            self.last = time.monotonic()
+
+    def _held(self) -> bool:
+        with self.lock:
+            holds = dict(self.holds)
+        if not holds:
+            return False
+        try:
+            live = _live_jobs()
+        except Exception:  # the GCS out of reach for a moment: keep the holds
+            return True
+        with self.lock:
+            for token, job in holds.items():
+                if job not in live:
+                    self.holds.pop(token, None)
+            return bool(self.holds)
 
     def _exit_when_idle(self) -> None:
-        while self.busy or time.monotonic() - self.last < self._idle_for():
+        while self._held() or time.monotonic() - self.last < self.idle_s:
             time.sleep(min(5.0, self.idle_s))
-        os._exit(0)  # detached: nothing else ends it; Ray frees the name and the CPU
+        os._exit(0)  # detached: nothing else ends it; Ray frees the name
 
     def ready(self) -> int:
         """Keep warm a while longer; the process id (a test checks it is reused)."""
-        self.last, self.called = time.monotonic(), True
+        with self.lock:
+            self.last = time.monotonic()
         return os.getpid()
 
-    def tokenize(self, unit: str, stream: dict, tokenizer: dict) -> pa.Table:
-        self.last, self.busy, self.called = time.monotonic(), True, True
-        try:
-            return tokenize_unit_json(unit, stream, tokenizer)
-        finally:
-            self.last, self.busy = time.monotonic(), False
+    def release(self, token: str) -> None:
+        """The export `token` asks nothing more of this actor; its idle time begins."""
+        with self.lock:
+            self.holds.pop(token, None)
+            self.last = time.monotonic()
+
+    def tokenize(self, unit: str, stream: dict, tokenizer: dict, holder: tuple[str, str]) -> pa.Table:  # fmt: skip
+        self._hold(holder)
+        return tokenize_unit_json(unit, stream, tokenizer)
 
 
-def _actor(i: int, idle_s: float):
+def _actor(i: int, idle_s: float, holder: tuple[str, str]):
     import ray
 
     # No CPUs reserved (see module), spread over the nodes as Ray Data's tasks would be.
@@ -116,7 +152,7 @@ def _actor(i: int, idle_s: float):
         lifetime="detached",
         get_if_exists=True,
         scheduling_strategy="SPREAD",
-    ).remote(idle_s)
+    ).remote(idle_s, holder)
 
 
 def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig,
@@ -127,17 +163,34 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
 
     if not units:
         return
+    # This export's hold on the actors it asks (TokenizeWorker): a token of its own, and its
+    # job, whose end drops the hold should the release never come.
+    holder = (uuid.uuid4().hex, ray.get_runtime_context().get_job_id())
     follow = size is None  # as many as the cluster has CPUs: more when nodes join
     # No more actors than units: an actor without a unit would only cost a process.
     count = max(1, min(_size(size), len(units)))
-    actors = [_actor(i, idle_s) for i in range(count)]
+    actors = [_actor(i, idle_s, holder) for i in range(count)]
+    try:
+        yield from _blocks(units, stream, tok_cfg, actors, follow, idle_s, holder)
+    finally:
+        for actor in actors:  # `actors` as _blocks left it (grown, dead ones replaced)
+            with contextlib.suppress(
+                Exception
+            ):  # Ray gone with the driver: its job's end drops the hold
+                actor.release.remote(holder[0])
+
+
+def _blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConfig, actors: list,
+            follow: bool, idle_s: float, holder: tuple[str, str]) -> Iterator[pa.Table]:  # fmt: skip
+    import ray
+
     looked = time.monotonic()
     stream_json = stream.model_dump(mode="json", context=REVEAL_SECRETS)
     tok_json = tok_cfg.model_dump(mode="json")
 
     def submit(k: int):
         actor = actors[k % len(actors)]
-        return actor.tokenize.remote(units[k].to_json(), stream_json, tok_json)
+        return actor.tokenize.remote(units[k].to_json(), stream_json, tok_json, holder)
 
     pending: collections.deque = collections.deque()
     nxt = 0
@@ -148,41 +201,26 @@ def _pool_blocks(units: list[Unit], stream: StreamConfig, tok_cfg: TokenizerConf
             # unit's block alike, so the blocks do not change.
             looked = time.monotonic()
             while len(actors) < min(_size(None), len(units)):
-                actors.append(_actor(len(actors), idle_s))
+                actors.append(_actor(len(actors), idle_s, holder))
         while nxt < len(units) and nxt < k + len(actors) * IN_FLIGHT_PER_ACTOR:
             pending.append(submit(nxt))
             nxt += 1
         ref = pending.popleft()
         for attempt in range(RETRIES + 1):
             try:
-                block = _get_keeping_warm(ref, actors, idle_s)
+                block = ray.get(ref)
                 break
             except ray.exceptions.RayActorError:
-                # An actor idled out (or died) between lookup and call: a new one does the
-                # unit. Its name may still find the exiting actor for a moment (the GCS frees
-                # it once the process is gone), so a few tries, 0, 1 and 2 s apart.
+                # An idle actor exited between lookup and call (or died): a new one, held by
+                # this export from its creation, does the unit. The name may still find the
+                # exiting actor for a moment (the GCS frees it once the process is gone), so
+                # a few tries, 0, 1 and 2 s apart.
                 if attempt == RETRIES:
                     raise
                 time.sleep(attempt)
-                actors[k % len(actors)] = _actor(k % len(actors), idle_s)
+                actors[k % len(actors)] = _actor(k % len(actors), idle_s, holder)
                 ref = submit(k)
         yield block
-
-
-def _get_keeping_warm(ref, actors: list, idle_s: float) -> pa.Table:
-    """`ray.get(ref)`, keeping every actor of the pool warm meanwhile. An actor that made the
-    units asked of it waits for this process to ask more, which it does only once it has the
-    blocks before: while it waits on a slower actor (the first unit loads the tokenizer; a
-    loaded machine or node slows any), the others would count that wait as idle and exit
-    under a running export."""
-    import ray
-
-    while True:
-        try:
-            return ray.get(ref, timeout=max(1.0, idle_s / 3))
-        except ray.exceptions.GetTimeoutError:
-            for actor in actors:
-                actor.ready.remote()  # answered by nobody: keeps it warm only
 
 
 def _size(size: int | None) -> int:
