@@ -407,7 +407,7 @@ def test_a_weight_change_lands_at_one_step_in_every_lane(streams):
     with pytest.raises(ValueError, match="already produced"):
         feed.set_weights({"code": 0.5, "chat": 0.5}, 2)
     at = feed.set_weights({"code": 0.1, "chat": 0.9}, 3)
-    assert at == feed._asked > 3  # the first step no lane has begun
+    assert at == feed.plan.asked > 3  # the first step no lane has begun
     for lane in feed.lanes:
         history = lane.worker.feed.mixer.history
         assert [(c.step, c.source) for c in history][-1] == (at, "api")
@@ -869,7 +869,7 @@ def _serve_to_the_end(srv, world: int, kills: dict[int, int], change: tuple | No
                 continue
             if r == 0 and change is not None and change[0] <= at[0]:
                 with srv._cond:  # as BatchServer.set_weights calls it
-                    assert srv.feed._asked < change[2], "the lanes began the change's step"
+                    assert srv.feed.plan.asked < change[2], "the lanes began the change's step"
                     assert srv.feed.set_weights(change[1], change[2], wait=False) == change[2]
                 change = None
             if r == 0 and kills and min(kills) <= at[0]:

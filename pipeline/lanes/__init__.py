@@ -33,8 +33,9 @@ lane answers and a rank is told), `worker` (a lane's own process), `handles` (a 
 control calls it), `group` (the K lanes as the control holds them: started, called, started
 again, shown), `restart` (what is kept to start a dead lane again from its state), `placing`
 (an actor no node can hold fails the run, naming it), `figures` (a run's figures joined from
-the lanes'), `feed` (`LanedFeed`, the control's side: the lanes asked ahead, their answers
-joined into global steps).
+the lanes'), `chunks` (`ChunkPlan`: which steps the control asks of the lanes, and when),
+`feed` (`LanedFeed`, the control's side: the lanes asked ahead, their answers joined into
+global steps).
 """
 
 from pipeline.lanes.depth import (

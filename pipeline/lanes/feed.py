@@ -1,7 +1,8 @@
 """The control's side of lanes: `LanedFeed`, the global steps of a config with `lanes` K > 1,
-joined from K lane feeds (lanes/worker.py) that it asks ahead, a chunk of steps at a time
-(lanes/depth.py). The lanes themselves, started, called and started again when one's process
-dies, are a `LaneGroup` (lanes/group.py)."""
+joined from K lane feeds (lanes/worker.py) that it asks ahead, a chunk of steps at a time.
+Which steps it asks and when is a `ChunkPlan` (lanes/chunks.py); the lanes themselves,
+started, called and started again when one's process dies, are a `LaneGroup` (lanes/group.py).
+What is left here: the lanes' calls, and their answers joined into global steps."""
 
 from __future__ import annotations
 
@@ -18,14 +19,8 @@ import pyarrow as pa
 
 from pipeline.config import Config, normalize_weights
 from pipeline.feed import LeaveOut
-from pipeline.lanes.depth import (
-    STEPS_PER_CALL,
-    had_cores,
-    in_flight,
-    most_in_flight,
-    next_depth,
-    steps_per_call,
-)
+from pipeline.lanes.chunks import Chunk, ChunkPlan
+from pipeline.lanes.depth import had_cores
 from pipeline.lanes.figures import joined_read, joined_summary
 from pipeline.lanes.group import LaneGroup
 from pipeline.lanes.handles import LocalLane
@@ -33,7 +28,6 @@ from pipeline.lanes.restart import Sent
 from pipeline.lanes.steps import LanedStep, LaneMade, Receipt, Writes, served_counts
 from pipeline.stages.documents import Reject
 from pipeline.stages.mixing import DeficitMixer
-from pipeline.stages.policy import window_for
 from pipeline.state.resume import (
     CONFIG_HASH,
     DOCS_EMITTED,
@@ -103,16 +97,6 @@ def global_mixer(cfg: Config, step: int, part: dict | None, changed: bool) -> De
     return mixer
 
 
-class _Chunk:
-    """Steps asked of every lane at once, one call each: the first step, how many, and each
-    lane's call (a restarted lane's is replaced in place, `LaneGroup.restart`)."""
-
-    __slots__ = ("first", "n", "calls")
-
-    def __init__(self, first: int, n: int, calls: list):
-        self.first, self.n, self.calls = first, n, calls
-
-
 class LanedFeed:
     """The global steps of a config with `lanes` K > 1, joined from K lane feeds.
 
@@ -138,8 +122,6 @@ class LanedFeed:
         # rows they hold (holding the steps, so that the export can join the others).
         self.hold = (hold or writes is not None) and not local
         self.writes = writes if self.hold else None
-        self._release: int | None = None  # the lanes let go of steps before this (hold)
-        self._told = 0  # the last `release` the lanes were told
         self.names = list(cfg.streams)
         self.config_hash = cfg.config_hash()
         self.full_batches = full_batches
@@ -168,7 +150,7 @@ class LanedFeed:
         self.mixer.begin_step(self.step)
         self.finished = False
         self._ready: collections.deque = collections.deque()
-        self._begin_asking()
+        self.plan = ChunkPlan(cfg, self.step)  # nothing asked of the lanes yet
         # Lanes make steps in the compact layout when this feed does; a step whose lanes
         # differ in layout (one kept labels it could not derive) is joined in full, then
         # compacted again (`_join`). Documents to leave out go to every lane: each meets only
@@ -201,26 +183,6 @@ class LanedFeed:
                                   cfg.packing.mode, cfg.lanes, cfg.global_batch_size)  # fmt: skip
         return list(parts), int(state[STEP])
 
-    def _begin_asking(self) -> None:
-        """Nothing asked of the lanes yet: the chunk scheduling's bookkeeping at `self.step`."""
-        # The chunks asked for ahead (in_flight): each its step count and the lanes' answers.
-        self._pending: collections.deque[_Chunk] = collections.deque()
-        self._current: _Chunk | None = None  # the chunk being joined (`_fill`)
-        self._asked = self.step  # steps asked of every lane: the first step no lane has begun
-        self._first = self.step  # the first call asks STEPS_PER_CALL: the first step comes sooner
-        # Chunks asked ahead of the one joined: `in_flight` while the lanes keep ahead, more
-        # while the control waits on them (`next_depth`, `most_in_flight`).
-        self.depth = self._least_depth = in_flight(self.cfg.lanes)
-        # Whether the ranks, not the lanes, set the pace (the batch server's: True once its
-        # window was full, False once a rank waited for a step): a chunk not made yet is then
-        # no reason to ask further ahead. With ranks that take 64 steps a call, the producer
-        # makes each 64 as fast as the lanes can while the ranks train on the last: told only
-        # whether the window filled since the last chunk, the control asked 16 chunks ahead
-        # most of a run of ranks taking a step per 50 ms (`bench.lane_restart --step-ms 50`).
-        self.ranks_behind = False
-        self._most_depth = most_in_flight(self.cfg)
-        self._changes: list[tuple[int, list]] = []  # weight changes the lanes have yet to confirm
-
     def _first_state(self) -> Nested:
         """The lanes' states at the start (or the resumed step), nested and kept for a
         restart; a lane that fails to answer closes the feed first."""
@@ -232,11 +194,24 @@ class LanedFeed:
         self.group.restarts.keep(self.step, states)
         return self._nest(states)
 
-    def _in_flight(self) -> tuple[list[_Chunk], int, list[tuple[int, list]]]:
+    def _in_flight(self) -> tuple[list[Chunk], int, list[tuple[int, list]]]:
         """Under the lock, for a restart: the chunks asked and not yet joined, the first step
         no lane has begun, and the weight changes the lanes have yet to confirm."""
-        chunks = [c for c in (self._current, *self._pending) if c is not None]
-        return chunks, self._asked, self._changes
+        return self.plan.in_flight(), self.plan.asked, self.plan.changes
+
+    @property
+    def depth(self) -> int:
+        """Chunks asked ahead of the one joined (metrics `lanes_chunks_ahead`)."""
+        return self.plan.depth
+
+    @property
+    def ranks_behind(self) -> bool:
+        """Whether the ranks set the pace (the batch server's: `ChunkPlan.ranks_behind`)."""
+        return self.plan.ranks_behind
+
+    @ranks_behind.setter
+    def ranks_behind(self, behind: bool) -> None:
+        self.plan.ranks_behind = behind
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -275,63 +250,39 @@ class LanedFeed:
         let them go, told with the next steps asked of them, or alone once the data has ended
         (`_release_alone`)."""
         with self._lock:
-            self._release = max(below, self._release or 0)
+            self.plan.release = max(below, self.plan.release or 0)
             if self.finished and self.hold:
                 self._release_alone()
 
     def _release_alone(self) -> None:
-        """Under the lock: the steps every rank has, told the lanes in a call of its own (no
-        step is asked to carry them: the data ended, or the control asks fewer chunks ahead
-        than it has), a chunk's steps at a time: the steps made ahead can be many
-        (`most_in_flight`), and a restart makes again those a lane holds."""
-        if self._release is None or isinstance(self.lanes[0], LocalLane):
+        """Under the lock: the steps every rank has, told the lanes in a call of its own when
+        one is due (`ChunkPlan.release_alone`), and forgotten by the restarts."""
+        if isinstance(self.lanes[0], LocalLane):
             return
-        if self._release - self._told < steps_per_call(len(self.lanes)):
+        below = self.plan.release_alone()
+        if below is None:
             return
-        below, self._release = self._release, None
-        self._told_lanes(below)
+        self.group.restarts.forget_below(below)
         for lane in self.lanes:
             lane.call("steps", 0, 0, below)  # answered by nobody: a release only
 
-    def _told_lanes(self, below: int) -> None:
-        """Under the lock: the lanes are told to let go of the steps before `below`, and so
-        are their states kept for a restart (every rank has those steps)."""
-        self._told = below
-        self.group.restarts.forget_below(below)
-
-    def _room(self) -> int:
-        """How many steps may be asked of the lanes now: steps_per_call(K), but never past
-        the next decision of the mixing policy after the step being made (`mixing.policy`):
-        its weights are decided (`set_weights`) just before it is made, so no lane may begin
-        it earlier. A decision at or before `self.step` is made already."""
-        per_call = steps_per_call(len(self.lanes))
-        policy = self.cfg.mixing.policy
-        if policy is None:
-            return per_call
-        for step in range(self.step + 1, self._asked + per_call):
-            if window_for(step, policy.every, policy.delay) is not None:
-                return min(per_call, step - self._asked)
-        return per_call
-
-    def _ask(self) -> _Chunk | None:
+    def _ask(self) -> Chunk | None:
         # Under the lock: a weight change submitted to the lanes is ordered before or after
         # the whole chunk in every lane (an actor runs one caller's calls in order).
         with self._lock:
-            n = self._room()
-            if self._asked == self._first:
-                n = min(n, STEPS_PER_CALL)
+            n = self.plan.room(self.step)
             if n <= 0:
                 return None
-            first, self._asked = self._asked, self._asked + n
-            release, self._release = self._release, None
-            if release is not None:
-                self._told_lanes(release)
+            first, release = self.plan.take(n)
+            if release is not None:  # every rank has the steps before it: so do the restarts
+                self.group.restarts.forget_below(release)
             calls = [lane.call("steps", n, self.state_every, release) for lane in self.lanes]
-            return _Chunk(first, n, calls)
+            return Chunk(first, n, calls)
 
     def _fill(self) -> None:
+        plan = self.plan
         with self._lock:  # a restart (`restart`) re-asks every chunk not yet joined
-            chunk = self._current = self._pending.popleft() if self._pending else self._ask()
+            chunk = plan.current = plan.pending.popleft() if plan.pending else self._ask()
         assert chunk is not None  # nothing pending and nothing ready: the step made is asked
         n = chunk.n
         made_already = self.hold and self.group.made(chunk.calls)
@@ -339,13 +290,12 @@ class LanedFeed:
         answers = [self.group.answer_of(chunk.calls, k) for k in range(len(self.lanes))]
         self.waited_s += time.monotonic() - t
         with self._lock:
-            self._current = None
+            plan.current = None
         if self.group.restarts.remade:
             self.group.check_remade()
         if self.hold:  # the depth follows holding lanes (LaneMade carries their making time)
             cored, self.group.making = had_cores(self.group.making, [made for made, _ in answers])
-            waited = not made_already and cored and not self.ranks_behind
-            self.depth = next_depth(self.depth, waited, self._least_depth, self._most_depth)
+            plan.follow(waited=not made_already and cored)
             for k, (lane_made, _) in enumerate(answers):
                 if len(lane_made):
                     self.group.last[k] = lane_made
@@ -363,12 +313,12 @@ class LanedFeed:
         """The next chunks, asked up to the depth: made while the one in hand is joined and
         written (actors only)."""
         asked = False
-        while not isinstance(self.lanes[0], LocalLane) and len(self._pending) < self.depth:
+        while not isinstance(self.lanes[0], LocalLane) and self.plan.wants_more():
             with self._lock:  # asked and pending at once, for a restart to find
                 ahead = self._ask()
                 if ahead is None:  # the mixing policy's next decision comes first
                     break
-                self._pending.append(ahead)
+                self.plan.pending.append(ahead)
                 asked = True
         if self.hold and not asked:  # the depth falling back: the releases go alone
             with self._lock:
@@ -443,14 +393,15 @@ class LanedFeed:
     def _confirm_changes(self) -> None:
         """Weight changes set without waiting (`set_weights(wait=False)`) that every lane has
         answered: each must have taken it at its step; a lane that failed fails the feed."""
-        while self._changes:
-            step, calls = self._changes[0]
+        changes = self.plan.changes
+        while changes:
+            step, calls = changes[0]
             if not all(lane.ready(c) for lane, c in zip(self.lanes, calls, strict=True)):
                 return
             for k in range(len(calls)):
                 got = self.group.answer_of(calls, k)
                 assert got == step, (got, step)
-            self._changes.pop(0)
+            changes.pop(0)
 
     def lane_view(self) -> list[dict]:
         """Each lane's process, restarts and held steps (metrics `lanes`; LaneGroup `view`)."""
@@ -499,25 +450,25 @@ class LanedFeed:
         out). Never a step already handed out. Returns the step. `wait` False (the batch
         server, under its lock): the lanes' answers, which queue behind the chunks asked
         ahead, are checked as they come (`_fill`), not waited for here."""
-        step = self._asked if effective_step is None else int(effective_step)
+        step = self.plan.asked if effective_step is None else int(effective_step)
         if step < self.step:
             raise ValueError(
                 f"effective step {step} is already produced (next step is {self.step})"
             )
         normalize_weights(weights, self.names)  # refused here, before any lane changes
         with self._lock:  # the producer thread asks for chunks (`_ask`) meanwhile
-            step = max(step, self._asked)
+            step = max(step, self.plan.asked)
             calls = [lane.call("set_weights", weights, step, source) for lane in self.lanes]
             self.mixer.schedule(step, weights, source=source)
             # After the steps asked so far, for a restart to send again.
-            self.group.restarts.note(Sent(self._asked, step, dict(weights), source, calls))
+            self.group.restarts.note(Sent(self.plan.asked, step, dict(weights), source, calls))
             if not wait:
-                self._changes.append((step, calls))
+                self.plan.changes.append((step, calls))
         if wait:
             got = [self.group.answer_of(calls, k) for k in range(len(calls))]
             assert set(got) == {step}, got
         with self._lock:
-            if step == self.step == self._asked and self._state is not None:
+            if step == self.step == self.plan.asked and self._state is not None:
                 # Before its step is begun (the mixing policy's decisions): the state at it
                 # holds the change, as a single feed's would, so a replay from it agrees.
                 states = [self.group.ask(k, "state") for k in range(len(self.lanes))]
