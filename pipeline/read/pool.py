@@ -11,9 +11,10 @@ When `tokenmill export` joins a running cluster (`--address`, RAY_ADDRESS; `--po
 out), or with `--pool N`, units go instead to actors (by default as many as the cluster has
 CPUs) named `tokenmill-tokenize-<code>-<i>` in the `tokenmill` namespace, created by the first
 export that asks and kept for `idle_s` seconds after the last export using them lets go (then
-they exit and give their memory back; `TokenizeWorker`). Not with a private local Ray: it ends with the export. A later export
-finds them warm: imports done, tokenizer loaded. `<code>` is a digest of the pipeline's source
-files, so an export never uses workers that run other code than its own.
+they exit and give their memory back; `TokenizeWorker`). Not with a private local Ray: it ends
+with the export. A later export finds them warm: imports done, tokenizer loaded. `<code>` is a
+digest of the pipeline's source files, so an export never uses workers that run other code
+than its own.
 
 The blocks are the same as Ray Data's (the same `tokenize_unit_json` body, one block per
 unit, in unit order), so exports are byte-identical either way.
