@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from client.cluster import jobs_alive
 from client.records import (
     ServiceExists,
     alive,
@@ -63,10 +64,30 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
     `pool`: tokenize on the cluster's warm pool (as an export joining a running cluster does).
 
     A service of that name whose `serve` process is gone (no heartbeat for STALE_BEAT_S, or
-    an actor that no longer answers) is removed first; a live one is an error."""
-    import ray
+    an actor that no longer answers) is removed first; a live one is an error.
+
+    A server whose process is lost before it answered (killed by the OS, its node lost: not
+    an error its constructor raised) is started again once. Nothing was handed out yet, so
+    a second start is the same service; a second loss is the error."""
+    from ray.exceptions import ActorDiedError
 
     _remove_if_stale(name)
+    args = (cfg.model_dump(mode="json", context=REVEAL_SECRETS), resume, prefetch, 10_000,
+            cfg.service.rank_timeout_s, allow_config_change, pool, leave_out)  # fmt: skip
+    try:
+        return _start_once(cfg, name, args)
+    except ActorDiedError as e:
+        if e.actor_init_failed:  # the constructor raised: starting again would raise again
+            raise
+        print(f"tokenmill: the batch server {name!r} was lost while it started; starting it "
+              f"again ({str(e).splitlines()[-1]})", file=sys.stderr, flush=True)  # fmt: skip
+    _wait_name_free(name)
+    return _start_once(cfg, name, args)
+
+
+def _start_once(cfg: Config, name: str, args: tuple):
+    import ray
+
     # ray's stubs type only the task options here; the actor options are valid at run time.
     actor_class = ray.remote(  # type: ignore[call-overload]
         num_cpus=0,
@@ -78,10 +99,7 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
     asks = cfg.service.resources if control is None else control
     placement = {"resources": dict(asks)} if asks else {}
     since = time.monotonic()
-    actor = actor_class.options(name=name, namespace=NAMESPACE, **placement).remote(
-        cfg.model_dump(mode="json", context=REVEAL_SECRETS), resume, prefetch, 10_000, cfg.service.rank_timeout_s,
-        allow_config_change, pool, leave_out,
-    )  # fmt: skip
+    actor = actor_class.options(name=name, namespace=NAMESPACE, **placement).remote(*args)
     # Placed and started (its lanes too): a server no node can hold fails naming what it
     # asks, instead of waiting for ever. Its lanes are placed while it starts, each within the
     # same limit: the server's own wait allows both (twice service.place_timeout_s).
@@ -97,6 +115,19 @@ def start_server(cfg: Config, name: str = SERVICE_NAME, resume: dict | None = No
         ray.kill(actor)  # a server left waiting to be placed would hold its name
         raise
     return actor
+
+
+def _wait_name_free(name: str, timeout_s: float = 10.0) -> None:
+    """Waits until no actor holds `name` (a killed actor's name is released once it is dead)."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.2)
 
 
 def _remove_if_stale(name: str) -> None:
@@ -122,13 +153,7 @@ def _remove_if_stale(name: str) -> None:
     print(f"tokenmill: removing the stale service {name!r} (its serve process is gone)",
           file=sys.stderr)  # fmt: skip
     ray.kill(old, no_restart=True)
-    deadline = time.time() + 10
-    while time.time() < deadline:  # the name is released once the actor is dead
-        try:
-            ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            return
-        time.sleep(0.2)
+    _wait_name_free(name)
 
 
 class RejectsFile:
@@ -301,7 +326,9 @@ def _watch(backend, owner: dict, rejects: RejectsFile, stop: threading.Event,
             waiting = st.get("ranks_to_end") or []
             if waiting:  # a rank whose process has gone will never take its end
                 with contextlib.suppress(Exception):
-                    backend.call("ranks_gone_with", _dead_jobs())
+                    backend.call(
+                        "ranks_gone_with", [job for job, up in jobs_alive().items() if not up]
+                    )
             why = f"tokenmill: stopping: ranks {waiting} still have steps made before the stop"
             if waiting and why != last_why and now - last_print >= 10:
                 print(why, flush=True)
@@ -335,27 +362,18 @@ def _progress_line(st: dict, m: dict) -> str:
     )  # fmt: skip
 
 
-def _dead_jobs() -> list[str]:
-    """The Ray jobs of this cluster that have ended."""
-    from ray._private import state
-
-    return [j["JobID"] for j in state.jobs() if j["IsDead"]]
-
-
 def _rank_jobs_alive(backend, own_job: str) -> list[str]:
     """The Ray jobs of ranks still connected to this (embedded) cluster; not this process's
     own (ranks that are threads of `serve` leave with it). A job table that cannot be read
     counts as "not known to have left": the wait goes on."""
-    from ray._private import state
-
     jobs = set(backend.call("rank_jobs")) - {own_job}
     if not jobs:
         return []
     try:
-        table = state.jobs()
+        alive = jobs_alive()
     except Exception:
         return sorted(jobs)
-    return [j["JobID"] for j in table if j["JobID"] in jobs and not j["IsDead"]]
+    return sorted(job for job in jobs if alive.get(job, False))
 
 
 def _close(actor) -> None:

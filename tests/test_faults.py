@@ -4,6 +4,8 @@ shard between runs. Each ends exact or with a clear error, never silently wrong.
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from service.export import run_export
 from service.serve import start_server
 from tests.conftest import stdlib_texts, write_jsonl
 from tests.helpers import rows_of
+from tests.rayhead import patient
 
 pytestmark = pytest.mark.slow
 
@@ -108,6 +111,54 @@ def test_service_restarted_from_the_last_state_continues_exactly(ray_cluster, tm
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g["input_ids"].tolist() == [r["input_ids"] for r in w], step
         assert g["seq_lens"] == [r["seq_lens"] for r in w], step
+
+
+LOST_AT_START = """
+import json, os, sys, ray
+from pipeline.read.resolve import parse_config
+from service.serve import start_server
+from trainer.feed import Feed
+
+MARKER = sys.argv[2]  # read here: the hook runs in a worker, whose sys.argv is Ray's
+
+
+def die_once():  # the job's first worker process (the batch server's) dies before it runs
+    try:
+        os.close(os.open(MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    os._exit(1)
+
+ray.init(address=sys.argv[1], runtime_env={"worker_process_setup_hook": die_once})
+actor = start_server(parse_config(json.loads(sys.argv[3])), name=sys.argv[4], prefetch=2)
+try:
+    client = Feed.connect(service=sys.argv[4], rank=0, world_size=1, timeout_s=60)
+    print(json.dumps(next(client)["input_ids"].tolist()), flush=True)
+finally:
+    ray.kill(actor)
+"""
+
+
+def test_a_server_lost_while_it_starts_is_started_again_once(ray_cluster, tmp_path):
+    """The batch server's process dies before its constructor runs (as a worker killed by
+    the OS does: Ray's "connection error ... The actor never ran"): start_server starts it
+    again, and the ranks get the same first step as without the loss."""
+    write_jsonl(tmp_path / "d.jsonl", stdlib_texts(40, max_bytes=4000))
+    raw = {"seed": 11, "seq_len": 256, "global_batch_size": 4, "shuffle": {"window": 8},
+           "streams": {"s": {"paths": [str(tmp_path / "d.jsonl")]}}}  # fmt: skip
+    want = [
+        r["input_ids"]
+        for r in rows_of(StepFeed(parse_config(raw), executor=iter_blocks_local).next_step())
+    ]
+    env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    address = ray_cluster.get_runtime_context().gcs_address
+    r = subprocess.run([sys.executable, "-c", LOST_AT_START, address, str(tmp_path / "died"),
+                        json.dumps(raw), f"lost{os.getpid()}"],
+                       capture_output=True, text=True, env=env, timeout=patient(300))  # fmt: skip
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert (tmp_path / "died").exists(), "the first batch server's process must have died"
+    assert "was lost while it started; starting it again" in r.stderr
+    assert json.loads(r.stdout.splitlines()[-1]) == want
 
 
 @pytest.mark.parametrize("on_error", ["skip", "fail"])
