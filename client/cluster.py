@@ -317,6 +317,14 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def jobs_alive() -> dict[str, bool]:
+    """The cluster's Ray jobs (the GCS's job table): job id -> whether its driver is still
+    connected. Raises where the GCS cannot be read; each caller says what that means to it."""
+    from ray._private import state
+
+    return {job["JobID"]: not job["IsDead"] for job in state.jobs()}
+
+
 def connect_in_background(address: str | None = None) -> Future:
     """`connect` on a thread: the future holds its result (or its error, e.g. ClusterError).
 

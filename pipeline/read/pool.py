@@ -41,6 +41,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from client.cluster import jobs_alive
 from pipeline.config import REVEAL_SECRETS, StreamConfig, TokenizerConfig
 from pipeline.read.reading import Executor, Prefetcher, Unit, tokenize_unit_json
 
@@ -62,13 +63,6 @@ def code_digest() -> str:
 
 def _name(i: int) -> str:
     return f"tokenmill-tokenize-{code_digest()}-{i}"
-
-
-def _live_jobs() -> set[str]:
-    """The ids of the cluster's jobs whose driver is still connected (the GCS's job table)."""
-    from ray._private import state
-
-    return {job["JobID"] for job in state.jobs() if not job["IsDead"]}
 
 
 class TokenizeWorker:
@@ -111,12 +105,12 @@ class TokenizeWorker:
         if not holds:
             return False
         try:
-            live = _live_jobs()
+            alive = jobs_alive()
         except Exception:  # the GCS out of reach for a moment: keep the holds
             return True
         with self.lock:
             for token, job in holds.items():
-                if job not in live:
+                if not alive.get(job, False):
                     self.holds.pop(token, None)
             return bool(self.holds)
 
