@@ -10,6 +10,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,17 @@ for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKEN
              "TOKENMILL_HOST", "TOKENMILL_API_TOKEN", "TOKENMILL_API_TOKEN_FILE",
              "TOKENMILL_TIMEOUT_S", "TOKENMILL_OBJECT_STORE_BYTES", "RAY_AUTH_MODE"):  # fmt: skip
     os.environ.pop(_key, None)
-atexit.register(shutil.rmtree, ISOLATED, ignore_errors=True)
+
+
+@atexit.register
+def _remove_isolated() -> None:
+    # Ray's processes may still be ending (and writing their logs) as this process exits: a
+    # folder emptied under them is removed again once they are gone.
+    for _ in range(20):
+        shutil.rmtree(ISOLATED, ignore_errors=True)
+        if not ISOLATED.exists():
+            return
+        time.sleep(0.5)
 
 
 # The default tokenizer's built files (cl100k converted to tokenizer.json, the fast engine's
