@@ -17,6 +17,7 @@ the template of any tokenizer.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from functools import lru_cache
 
 import numpy as np
@@ -132,17 +133,16 @@ class ChatEncoder:
         inner = tok.tokenizer
         self._bos = inner.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         self._eos = inner.id_to_token(tok.eos_id) if tok.eos_id is not None else ""
-        self._special_ids = {
-            inner.token_to_id(t.content)
-            for t in inner.get_added_tokens_decoder().values()
-            if t.special
-        }
+        special = {inner.token_to_id(t.content) for t in inner.get_added_tokens_decoder().values()
+                   if t.special}  # fmt: skip
+        self._special_ids = np.array(sorted(i for i in special if i is not None), dtype=np.int64)
 
-    def _content(self, texts: list[str]) -> tuple[list[list[int]], np.ndarray, dict[int, str]]:
-        """Message contents, as text (the fast backend may take them, verified): ids, the
-        backend per content, and the contents the tokenizer failed on (`encode_records`)."""
+    def _content(self, texts: list[str]) -> tuple[list[np.ndarray], np.ndarray, dict[int, str]]:
+        """Message contents, as text (the fast backend may take them, verified): ids (views of
+        one array), the backend per content, and the contents the tokenizer failed on
+        (`encode_records`)."""
         flat, offsets, backends, failed = self.tok.encode_records(texts)
-        ids = [flat[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        ids = [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
         return ids, backends, failed
 
     def _glue(self, texts: list[str]) -> list[list[int]]:
@@ -214,30 +214,37 @@ class ChatEncoder:
                     next(glue_ids if part < 0 else content_ids)
                 out.append(bad)
                 continue
-            ids: list[int] = []
-            loss: list[int] = []
-            after_assistant = False
-            for _, part in done:
-                if part < 0:
-                    piece = next(glue_ids)
-                    flags = [0] * len(piece)
-                    if after_assistant:  # learn to end the turn: up to the first special
-                        for j, t in enumerate(piece):
-                            flags[j] = 1
-                            if t in self._special_ids:
-                                break
-                        else:
-                            flags = [0] * len(piece)
-                    after_assistant = False
-                else:
-                    piece = next(content_ids)
-                    is_assistant = msgs[part]["role"] == "assistant"
-                    flags = [int(is_assistant)] * len(piece)
-                    after_assistant = is_assistant
-                ids += piece
-                loss += flags
-            out.append((np.asarray(ids, dtype=np.int32), np.asarray(loss, dtype=np.int8)))
+            out.append(self._join(msgs, done, glue_ids, content_ids))
         return out, backends
+
+    def _join(self, msgs: list[dict], parts: list[tuple[str, int]], glue_ids: Iterator[list[int]],
+              content_ids: Iterator[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """One conversation's ids and loss flags from its encoded parts, an array per part
+        (per-part numpy, not per-token Python: contents are most of a conversation's tokens).
+        An assistant's content is learned; so is the glue after it up to the first special
+        token (the turn's end), and none of it if it has no special token."""
+        ids: list[np.ndarray] = []
+        loss: list[np.ndarray] = []
+        after_assistant = False
+        for _, part in parts:
+            if part < 0:
+                piece = np.asarray(next(glue_ids), dtype=np.int32)
+                flags = np.zeros(len(piece), dtype=np.int8)
+                if after_assistant:  # learn to end the turn: up to the first special
+                    hits = np.flatnonzero(np.isin(piece, self._special_ids))
+                    if len(hits):
+                        flags[: hits[0] + 1] = 1
+                after_assistant = False
+            else:
+                piece = next(content_ids)
+                is_assistant = msgs[part]["role"] == "assistant"
+                flags = np.full(len(piece), int(is_assistant), dtype=np.int8)
+                after_assistant = is_assistant
+            ids.append(piece)
+            loss.append(flags)
+        if not ids:
+            return np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int8)
+        return np.concatenate(ids).astype(np.int32, copy=False), np.concatenate(loss)
 
 
 def _backend_of(codes: np.ndarray) -> int:
