@@ -36,6 +36,7 @@ PROBES = {
     "feed-ceiling": ("feed_ceiling", "one feed's packing and writing, every block tokenized"),
     "reading": ("reading", "reading pre-tokenized input on one core, against fastokens"),
     "verify-cost": ("verify_cost", "what the HF check costs the fast engine, by document size"),
+    "lane-profile": ("lane_profile", "where one lane's CPU goes: py-spy samples, callgrind counts"),
 }
 SUBCOMMANDS = BENCHES | PROBES
 
