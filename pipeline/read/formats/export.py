@@ -118,8 +118,8 @@ def _read_steps(piece: Piece, access: Access):
         try:
             if piece.path.endswith(".arrow"):
                 table = pa.ipc.open_file(pa.BufferReader(f.read())).read_all()
-            else:
-                table = pq.read_table(f)
+            else:  # one file: pq.read_table would plan a dataset for it (~1.4x the time)
+                table = pq.ParquetFile(f).read()
             need = ["input_ids", "seq_lens", "stream", "doc_id", "doc_offset"]
             missing = [c for c in need if c not in table.column_names]
             if missing:
