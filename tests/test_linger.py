@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-import service.batch_server
+import service.ranks
 from pipeline.read.resolve import parse_config
 from service.batch_server import BatchServer
 from tests.conftest import stdlib_texts, write_jsonl
@@ -19,7 +19,7 @@ PREFETCH = 3
 @pytest.fixture
 def server(ray_cluster, tmp_path, monkeypatch):
     # Long enough that a lingering answer could never pass for a prompt one on a slow machine.
-    monkeypatch.setattr(service.batch_server, "LINGER_S", 30.0)
+    monkeypatch.setattr(service.ranks, "LINGER_S", 30.0)
     write_jsonl(tmp_path / "a.jsonl", stdlib_texts(40, max_bytes=3000))
     cfg = parse_config({"seq_len": 128, "global_batch_size": 2,
                         "streams": {"web": {"paths": [str(tmp_path / "a.jsonl")]}}})  # fmt: skip
