@@ -10,7 +10,6 @@ The global sequence never depends on the world size; only the slicing does.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -43,7 +42,7 @@ from pipeline.state.resume import (
     seal,
 )
 from pipeline.state.summary import RunSummary, RunTotals, run_totals, summarize
-from pipeline.tokenize.engines import load_tokenizer
+from pipeline.tokenize.engines import load_in_background, load_tokenizer
 from wire.lane_rows import rank_meta, rank_rows, runs_of
 from wire.schema import StepChunk, build_batches, build_chunk, with_metadata
 
@@ -419,17 +418,9 @@ def _tokenizer(cfg: Config, here: bool) -> Future:
     errors are then the constructor's), with the chat glue copy started beside (~0.45 s for
     cl100k, which the first chat unit would otherwise wait for); else on a thread (~0.6 s):
     a feed whose warm pool makes every unit needs only the pad id, at its first step."""
-    done: Future = Future()
     if not here:
-
-        def load() -> None:
-            try:
-                done.set_result(load_tokenizer(cfg.tokenizer))
-            except BaseException as e:  # the first step raises it
-                done.set_exception(e)
-
-        threading.Thread(target=load, name="tokenmill-tokenizer", daemon=True).start()
-        return done
+        return load_in_background(cfg.tokenizer)  # the first step raises its error
+    done: Future = Future()
     tok = load_tokenizer(cfg.tokenizer)
     if any(s.kind == "chat" and not is_pretokenized(s.format or "", s.tokens_field)
            for s in cfg.streams.values()):  # fmt: skip

@@ -25,7 +25,6 @@ or the Ray job), so a killed `serve` never leaves a service behind that blocks t
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
 import threading
@@ -49,13 +48,6 @@ if TYPE_CHECKING:
 # The pipeline is imported where it is used, not here: a rank's `ray.get_actor` loads this
 # class, so every rank imports this module too (with the pipeline and pydantic, that cost
 # each rank ~0.37 CPU-s at connect, on the cores the service was starting on).
-
-
-def _quietly(fn, *args) -> None:
-    """`fn(*args)` for its side effect (a cache), on a thread: an error is raised again where
-    the result is needed (the same call, in the feed), not here."""
-    with contextlib.suppress(Exception):
-        fn(*args)
 
 
 class _Default(enum.Enum):
@@ -92,13 +84,12 @@ class BatchServer(RankDesk):
         leave_out: LeaveOut | None = None,
     ):
         from pipeline.config import Config
-        from pipeline.tokenize import load_tokenizer
+        from pipeline.tokenize.engines import load_in_background
 
         self.cfg = Config.model_validate(cfg_json)
-        # The tokenizer loads (~0.6 s; its parse lets go of the GIL) while the rest of the
-        # pipeline is imported and planned; the feed finds it loaded or waits for it.
-        threading.Thread(target=_quietly, args=(load_tokenizer, self.cfg.tokenizer),
-                         name="tokenmill-tokenizer", daemon=True).start()  # fmt: skip
+        # The tokenizer loads while the rest of the pipeline is imported and planned; the feed
+        # finds it loaded or waits for it, and raises its error if it failed.
+        load_in_background(self.cfg.tokenizer)
         from service.telemetry import Telemetry
 
         self.pool = pool  # tokenize on the warm pool (a running cluster), else Ray Data

@@ -33,6 +33,7 @@ import json
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -437,6 +438,22 @@ def load_tokenizer(cfg: TokenizerConfig) -> LoadedTokenizer:
         if hit is None:
             hit = _CACHE[key] = _load_tokenizer(cfg)
         return hit
+
+
+def load_in_background(cfg: TokenizerConfig) -> Future:
+    """`load_tokenizer(cfg)` on a thread of its own (~0.6 s, its parse lets go of the GIL),
+    while the caller goes on: the Future holds the tokenizer, or the error for whoever needs
+    it to raise (the cache above makes a later `load_tokenizer` of it wait for this one)."""
+    done: Future = Future()
+
+    def load() -> None:
+        try:
+            done.set_result(load_tokenizer(cfg))
+        except BaseException as e:
+            done.set_exception(e)
+
+    threading.Thread(target=load, name="tokenmill-tokenizer", daemon=True).start()
+    return done
 
 
 def _first_or(default: int, *ids: int | None) -> int:
