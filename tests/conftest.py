@@ -41,8 +41,9 @@ for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKEN
 
 @atexit.register
 def _remove_isolated() -> None:
-    # Ray's processes may still be ending (and writing their logs) as this process exits: a
-    # folder emptied under them is removed again once they are gone.
+    # Also at pytest's end (`pytest_unconfigure`): an xdist worker leaves with os._exit, which
+    # runs no atexit. Ray's processes may still be ending (and writing their logs): a folder
+    # emptied under them is removed again once they are gone.
     for _ in range(20):
         shutil.rmtree(ISOLATED, ignore_errors=True)
         if not ISOLATED.exists():
@@ -158,6 +159,10 @@ LONGEST_FIRST = ("test_lanes.py", "test_trainer_service.py", "test_swift.py",
                  "test_adapters_raytrain.py", "test_nodes.py", "test_job_submit.py",
                  "test_demand.py", "test_cluster.py", "test_page.py", "test_end_of_data.py",
                  "test_api.py", "test_titan.py", "test_adapters.py", "test_export_lanes.py")  # fmt: skip
+
+
+def pytest_unconfigure(config):
+    _remove_isolated()
 
 
 def pytest_collection_modifyitems(config, items):
