@@ -7,10 +7,10 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -41,14 +41,27 @@ for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKEN
 
 @atexit.register
 def _remove_isolated() -> None:
-    # Also at pytest's end (`pytest_unconfigure`): an xdist worker leaves with os._exit, which
-    # runs no atexit. Ray's processes may still be ending (and writing their logs): a folder
-    # emptied under them is removed again once they are gone.
-    for _ in range(20):
-        shutil.rmtree(ISOLATED, ignore_errors=True)
-        if not ISOLATED.exists():
-            return
-        time.sleep(0.5)
+    # Also at pytest's end (`pytest_unconfigure`): an xdist worker's exit can be cut short by
+    # execnet (SIGINT 5 s after the end, os._exit 10 s later) before its atexit runs. Ray's
+    # processes may still be ending and writing their logs there: then a detached process
+    # removes the folder once they are gone (within 2 minutes), not this one's exit.
+    shutil.rmtree(ISOLATED, ignore_errors=True)
+    if ISOLATED.exists():
+        subprocess.Popen([sys.executable, "-c", _REMOVE_LATER, str(ISOLATED)],
+                         start_new_session=True, stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+_REMOVE_LATER = """
+import shutil, sys, time
+from pathlib import Path
+folder = Path(sys.argv[1])
+for _ in range(120):
+    shutil.rmtree(folder, ignore_errors=True)
+    if not folder.exists():
+        break
+    time.sleep(1)
+"""
 
 
 # The default tokenizer's built files (cl100k converted to tokenizer.json, the fast engine's
