@@ -7,7 +7,6 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -37,31 +36,7 @@ for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKEN
              "TOKENMILL_HOST", "TOKENMILL_API_TOKEN", "TOKENMILL_API_TOKEN_FILE",
              "TOKENMILL_TIMEOUT_S", "TOKENMILL_OBJECT_STORE_BYTES", "RAY_AUTH_MODE"):  # fmt: skip
     os.environ.pop(_key, None)
-
-
-@atexit.register
-def _remove_isolated() -> None:
-    # Also at pytest's end (`pytest_unconfigure`): an xdist worker's exit can be cut short by
-    # execnet (SIGINT 5 s after the end, os._exit 10 s later) before its atexit runs. Ray's
-    # processes may still be ending and writing their logs there: then a detached process
-    # removes the folder once they are gone (within 2 minutes), not this one's exit.
-    shutil.rmtree(ISOLATED, ignore_errors=True)
-    if ISOLATED.exists():
-        subprocess.Popen([sys.executable, "-c", _REMOVE_LATER, str(ISOLATED)],
-                         start_new_session=True, stdin=subprocess.DEVNULL,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-
-
-_REMOVE_LATER = """
-import shutil, sys, time
-from pathlib import Path
-folder = Path(sys.argv[1])
-for _ in range(120):
-    shutil.rmtree(folder, ignore_errors=True)
-    if not folder.exists():
-        break
-    time.sleep(1)
-"""
+atexit.register(shutil.rmtree, ISOLATED, ignore_errors=True)
 
 
 # The default tokenizer's built files (cl100k converted to tokenizer.json, the fast engine's
@@ -172,10 +147,6 @@ LONGEST_FIRST = ("test_lanes.py", "test_trainer_service.py", "test_swift.py",
                  "test_adapters_raytrain.py", "test_nodes.py", "test_job_submit.py",
                  "test_demand.py", "test_cluster.py", "test_page.py", "test_end_of_data.py",
                  "test_api.py", "test_titan.py", "test_adapters.py", "test_export_lanes.py")  # fmt: skip
-
-
-def pytest_unconfigure(config):
-    _remove_isolated()
 
 
 def pytest_collection_modifyitems(config, items):
