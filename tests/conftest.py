@@ -29,14 +29,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # `tokenmill`, or the user's TOKENMILL_CACHE, cannot change a result) and its own Ray temp
 # folder, and nothing in the environment sends it to a cluster, a service or a port of the
 # user's. Tests that need one of these set it themselves.
-ISOLATED = Path(tempfile.mkdtemp(prefix="tmt", dir="/tmp"))  # short: Ray's AF_UNIX paths
-os.environ["TOKENMILL_CACHE"] = str(ISOLATED / "cache")
-os.environ["RAY_TMPDIR"] = str(ISOLATED)
-for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKENMILL_PORT",
-             "TOKENMILL_HOST", "TOKENMILL_API_TOKEN", "TOKENMILL_API_TOKEN_FILE",
-             "TOKENMILL_TIMEOUT_S", "TOKENMILL_OBJECT_STORE_BYTES", "RAY_AUTH_MODE"):  # fmt: skip
-    os.environ.pop(_key, None)
-atexit.register(shutil.rmtree, ISOLATED, ignore_errors=True)
+#
+# A process a test starts imports this file too (a Ray worker unpickling a test's function, a
+# driver run with the checkout on its path). It keeps the folder and the environment its test
+# process gave it (a test may send it to a cluster on purpose) and leaves the folder to that
+# process to remove: such processes are killed with their cluster, past any `atexit`, and
+# each one that made a folder of its own left it behind, empty. A child is told from an xdist
+# worker by the worker's id: xdist's workers inherit the controller's environment.
+_OWNER = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+_owner, _, _folder = os.environ.get("TOKENMILL_TEST_FOLDER", "").partition(":")
+if _owner == _OWNER and _folder and Path(_folder).is_dir():
+    ISOLATED = Path(_folder)
+else:
+    ISOLATED = Path(tempfile.mkdtemp(prefix="tmt", dir="/tmp"))  # short: Ray's AF_UNIX paths
+    os.environ["TOKENMILL_TEST_FOLDER"] = f"{_OWNER}:{ISOLATED}"
+    os.environ["TOKENMILL_CACHE"] = str(ISOLATED / "cache")
+    os.environ["RAY_TMPDIR"] = str(ISOLATED)
+    for _key in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS", "TOKENMILL_SERVICE", "TOKENMILL_PORT",
+                 "TOKENMILL_HOST", "TOKENMILL_API_TOKEN", "TOKENMILL_API_TOKEN_FILE",
+                 "TOKENMILL_TIMEOUT_S", "TOKENMILL_OBJECT_STORE_BYTES", "RAY_AUTH_MODE"):  # fmt: skip
+        os.environ.pop(_key, None)
+    atexit.register(shutil.rmtree, ISOLATED, ignore_errors=True)
 
 
 # The default tokenizer's built files (cl100k converted to tokenizer.json, the fast engine's

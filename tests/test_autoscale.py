@@ -19,7 +19,7 @@ from tests.rayhead import patient
 pytestmark = pytest.mark.slow
 API_PORT = 8000
 STEP_S = 0.1  # the rank's own step (a GPU's), after each batch
-AFTER_S = 8  # the rank's wait printed over this long, before the request and at the end
+AFTER_S = 4  # the rank's wait printed over this long, before the request and at the end
 
 # One rank: takes batches, reports each wait (as the adapters do), spends STEP_S on each,
 # logs (time, wait) a line a step, until the file `stop` exists.
