@@ -150,16 +150,19 @@ SLOW_FIXTURES = frozenset({"ray_cluster", "foreign", "head", "clone", "browser",
                            "endpoint"})  # fmt: skip
 
 
-# The slow tier's longest files, longest first (seconds on this 2-core machine, serially:
-# `./dev test` logs the slowest tests). The xdist workers take whole files in collection
-# order, so the longest go first and the short ones fill in at the end (LPT scheduling):
+# The slow tier's longest files, longest first: their CPU seconds run one at a time on this
+# 2-core machine (the slow tier is CPU-bound: both cores 97-99% busy), or their wall in CI
+# where they mostly wait (test_stop.py, test_liveness.py). The xdist workers take whole files
+# in this order (`./dev test` passes --no-loadscope-reorder: xdist's default puts the files
+# with the most tests first), so the short ones fill in at the end (LPT scheduling):
 # otherwise one worker ran the last long file alone for minutes.
 LONGEST_FIRST = ("test_lanes.py", "test_trainer_service.py", "test_swift.py",
-                 "test_adapters_torchrun.py", "test_autoscale.py", "test_hosts.py",
-                 "test_liveness.py", "test_stop.py", "test_ranks.py",
-                 "test_adapters_raytrain.py", "test_nodes.py", "test_job_submit.py",
-                 "test_demand.py", "test_cluster.py", "test_page.py", "test_end_of_data.py",
-                 "test_api.py", "test_titan.py", "test_adapters.py", "test_export_lanes.py")  # fmt: skip
+                 "test_adapters_torchrun.py", "test_autoscale.py", "test_demand.py",
+                 "test_ranks.py", "test_cluster.py", "test_adapters_raytrain.py", "test_hosts.py",
+                 "test_stop.py", "test_export_lanes.py", "test_nodes.py", "test_job_submit.py",
+                 "test_liveness.py", "test_end_of_data.py", "test_page.py", "test_titan.py",
+                 "test_faults.py", "test_concurrent.py", "test_serve.py", "test_adapters.py",
+                 "test_policy.py", "test_operators.py", "test_export.py", "test_placing.py")  # fmt: skip
 
 
 def pytest_collection_modifyitems(config, items):
