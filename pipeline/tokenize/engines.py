@@ -322,7 +322,8 @@ class LoadedTokenizer:
         ids: list = [None] * len(texts)
         backends = np.zeros(len(texts), dtype=np.int8)
         failed: dict[int, str] = {}
-        rest = [i for i in range(len(texts)) if i not in set(to_hf)]
+        guarded = set(to_hf)
+        rest = [i for i in range(len(texts)) if i not in guarded]
         for part, encode in ((to_hf, self._encode_split_guarded), (rest, self.encode_verified)):
             if not part:
                 continue
