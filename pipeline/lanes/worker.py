@@ -158,10 +158,8 @@ class LaneWorker:
                 continue  # not in this lane, or spanning lanes: the export joins them
             _, lo, hi = parts[0]
             part = own(stored.slice(lo, hi - lo))  # the bytes the one-process export writes
-            # Aside already (the export takes it by its receipt, and removes what it did not
-            # take, a part written by a lane that died too): no second name on the way.
             write_step(part.replace_schema_metadata(rank_meta(part, r, w.world)),
-                       w.pending(step, r), w.fmt, aside=False)  # fmt: skip
+                       w.pending(step, r), w.fmt)  # fmt: skip
             written.append(r)
         return {"written": tuple(written), "labels": "labels" in stored.schema.names}
 
