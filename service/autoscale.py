@@ -23,11 +23,19 @@ EXPIRE_S = 60.0  # a request lapses unless renewed (every tick) within this
 Place = Callable[[int], None]  # ask for N CPUs; 0 withdraws the request
 
 
-def coordinator_place(requester_id: str) -> Place:
+def coordinator_place(requester_id: str) -> Callable[[], Place]:
     """How a request for N CPUs is placed: through Ray Data's autoscaling coordinator, as one
     of its requesters (it merges them all for the autoscaler and would overwrite a direct
     request within 20 s), with an expiry renewed every tick; on a Ray without it,
-    `ray.autoscaler.sdk.request_resources` (no expiry)."""
+    `ray.autoscaler.sdk.request_resources` (no expiry).
+
+    The coordinator's module is imported here, on the caller's thread, and the coordinator is
+    built by the returned function on the autoscale thread. Call this before any Ray Data
+    execution starts in the process: ray.data's modules import one another, many of them
+    inside functions, and importing the coordinator on one thread while the producer's Ray
+    Data execution imports its modules on another met Python's import deadlock in CI
+    (`_DeadlockError` on `ray.data._internal.execution.interfaces.common`), which failed the
+    feed and left `ray.data` half-imported for every later user in the process."""
     try:
         from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
             DefaultAutoscalingCoordinator,
@@ -35,16 +43,20 @@ def coordinator_place(requester_id: str) -> Place:
     except ImportError:
         from ray.autoscaler.sdk import request_resources
 
-        return lambda n: request_resources(num_cpus=n)
-    coordinator = DefaultAutoscalingCoordinator(requester_id)
+        return lambda: lambda n: request_resources(num_cpus=n)
 
-    def place(n: int) -> None:
-        if n:
-            coordinator.request_resources([{"CPU": 1}] * n, expire_after_s=EXPIRE_S)
-        else:
-            coordinator.cancel_request()
+    def build() -> Place:
+        coordinator = DefaultAutoscalingCoordinator(requester_id)
 
-    return place
+        def place(n: int) -> None:
+            if n:
+                coordinator.request_resources([{"CPU": 1}] * n, expire_after_s=EXPIRE_S)
+            else:
+                coordinator.cancel_request()
+
+        return place
+
+    return build
 
 
 def ray_cluster_now() -> tuple[int, float]:

@@ -135,21 +135,25 @@ class BatchServer(RankDesk):
         self._retired: list[tuple[int, StepSource]] = []
         self.demand = None
         self._scaler = None
-        self._start_feed(state, allow_config_change, leave_out)
         scale = self.cfg.service.autoscale
+        if scale is not None:  # imported before the feed's Ray Data starts (coordinator_place)
+            from service.autoscale import coordinator_place
+
+            make_place = coordinator_place(f"tokenmill-{os.getpid()}-{id(self)}")
+        self._start_feed(state, allow_config_change, leave_out)
         if scale is not None:  # after the feed: a refused state leaves no thread behind
-            from service.autoscale import Autoscaler, coordinator_place
+            from service.autoscale import Autoscaler
             from service.demand import Demand
 
             self.demand = Demand(scale.max_cpus, scale.up_wait, scale.cooldown_s)
-            tel, requester = self.telemetry, f"tokenmill-{os.getpid()}-{id(self)}"
+            tel = self.telemetry
             self._scaler = Autoscaler(
                 self.demand,
                 waits=lambda: {r: s for r, (s, _) in tel.wait_by_rank().items()},
                 observed=lambda: [
                     (o["t"], o["producer"]) for o in tel.observations_view(last=3600)
                 ],
-                place=lambda: coordinator_place(requester),
+                place=make_place,
             )
 
     # -- production -------------------------------------------------------------------------
