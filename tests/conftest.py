@@ -22,6 +22,13 @@ settings.register_profile("explore", derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
+# A busy machine slows the suite evenly, never starves its Ray: Ray starts its workers at
+# niceness 15, and beside a user's CPU-bound job at 0 (two busy loops on the 2 cores) each
+# test's Ray worker got a few percent of a core while the test's own process kept its share;
+# the slow tier went from 14 minutes to hours. The suite's Ray workers (every cluster its tests
+# start inherits this) run at the niceness of the tests. No test measures time; the product
+# keeps Ray's default, and the head start follows the setting (pipeline/read/headstart.py).
+os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 (Ray's own name)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Isolation: the suite never meets the user's own tokenmill. Each test process (each xdist

@@ -320,17 +320,22 @@ def _split_by_unit(table):
     return [(int(units[a]), table.slice(a, b - a)) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-# Ray starts its workers at niceness 15 (`ray start` clusters; measured here). A head-start
-# thread at 0 took a whole core from the workers it was waiting for: they were slow to start
-# and to deliver, and the head start ran on. At the workers' level they share fairly, and the
-# feed's own thread (packing, writing) keeps its priority over both.
-WORKER_NICENESS = 15
+# Ray starts its workers at niceness 15 (`ray start` clusters; measured here), or at Ray's
+# own setting `RAY_worker_niceness` where the environment gives one. A head-start thread at 0
+# took a whole core from the workers it was waiting for: they were slow to start and to
+# deliver, and the head start ran on. At the workers' level they share fairly, and the feed's
+# own thread (packing, writing) keeps its priority over both.
+def _worker_niceness() -> int:
+    try:
+        return int(os.environ.get("RAY_worker_niceness", "15"))  # noqa: SIM112 (Ray's name)
+    except ValueError:
+        return 15
 
 
 def _as_nice_as_a_worker() -> None:
     try:  # Linux: niceness is per thread
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid),
-                                                 WORKER_NICENESS))  # fmt: skip
+                                                 _worker_niceness()))  # fmt: skip
     except (AttributeError, OSError):
         pass
