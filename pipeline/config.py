@@ -421,6 +421,10 @@ class AutoscaleConfig(_Frozen):
     max_cpus: int = Field(ge=1, le=1 << 20)  # never ask for more
     up_wait: float = Field(default=0.05, gt=0, lt=1)  # the worst rank's data-wait share
     cooldown_s: float = Field(default=60.0, ge=0, le=86_400)  # between two changes
+    # How long the signals (the ranks' wait, the producer's state) are judged over, at most
+    # the minute of waits the service keeps; no decision before half of it is seen. Shorter
+    # reacts sooner to a burst, and judges on less.
+    window_s: float = Field(default=60.0, ge=4, le=60)
 
 
 class ServiceConfig(_Frozen):

@@ -108,7 +108,7 @@ class Autoscaler:
                 continue  # the cluster not answering now: no decision this tick
             demand.seen(nodes, cpus)
             decided = demand.decide(
-                now, self._waits(), producer_shares(self._observed(), now), cpus
+                now, self._waits(), producer_shares(self._observed(), now, demand.window_s), cpus
             )
             if decided is not None:
                 want, reason = decided

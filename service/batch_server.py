@@ -145,11 +145,11 @@ class BatchServer(RankDesk):
             from service.autoscale import Autoscaler
             from service.demand import Demand
 
-            self.demand = Demand(scale.max_cpus, scale.up_wait, scale.cooldown_s)
-            tel = self.telemetry
+            self.demand = Demand(scale.max_cpus, scale.up_wait, scale.cooldown_s, scale.window_s)
+            tel, window_s = self.telemetry, scale.window_s
             self._scaler = Autoscaler(
                 self.demand,
-                waits=lambda: {r: s for r, (s, _) in tel.wait_by_rank().items()},
+                waits=lambda: {r: s for r, (s, _) in tel.wait_by_rank(window_s).items()},
                 observed=lambda: [
                     (o["t"], o["producer"]) for o in tel.observations_view(last=3600)
                 ],

@@ -11,7 +11,7 @@ renews while it wants them: a service that dies leaves no request behind. The ru
 two signals the service already has:
 
 - the ranks' data wait (what they report, `Feed.report_wait`): the share of the last
-  `WINDOW_S` seconds the worst-waiting rank spent waiting (a synchronous step waits for its
+  `window_s` seconds (60 by default) the worst-waiting rank spent waiting (a synchronous step waits for its
   slowest rank);
 - the producer's state over the same window: `window_full` is the service being ahead of the
   trainers (nothing to gain from more CPUs); `making` while ranks wait is the service behind.
@@ -42,12 +42,13 @@ SEEN = 0.5  # no decision before the producer's states cover this share of the w
 DOWN_AFTER = 3  # a step down waits this many cooldowns after the last change (hysteresis)
 
 
-def producer_shares(observations: Iterable[tuple[float, str]], now: float) -> dict[str, float]:
-    """Per producer state, its share of the last WINDOW_S seconds, from (t, state) samples
+def producer_shares(observations: Iterable[tuple[float, str]], now: float,
+                    window_s: float = WINDOW_S) -> dict[str, float]:  # fmt: skip
+    """Per producer state, its share of the last `window_s` seconds, from (t, state) samples
     (each state lasts until the next sample; the last one until `now`). Empty until the
     samples cover SEEN of the window: a service that just started has no minute to judge."""
     obs = sorted(observations)
-    start = now - WINDOW_S
+    start = now - window_s
     out: dict[str, float] = {}
     for i, (t, state) in enumerate(obs):
         end = obs[i + 1][0] if i + 1 < len(obs) else now
@@ -55,14 +56,16 @@ def producer_shares(observations: Iterable[tuple[float, str]], now: float) -> di
         if hi > lo:
             out[state] = out.get(state, 0.0) + (hi - lo)
     seen = sum(out.values())
-    return {k: v / seen for k, v in out.items()} if seen >= SEEN * WINDOW_S else {}
+    return {k: v / seen for k, v in out.items()} if seen >= SEEN * window_s else {}
 
 
 class Demand:
-    def __init__(self, max_cpus: int, up_wait: float, cooldown_s: float):
+    def __init__(self, max_cpus: int, up_wait: float, cooldown_s: float,
+                 window_s: float = WINDOW_S):  # fmt: skip
         self.max_cpus = max_cpus
         self.up_wait = up_wait
         self.cooldown_s = cooldown_s
+        self.window_s = window_s  # the signals' window: waits and shares over its last seconds
         self.requested = 0  # CPUs asked for (0: no request)
         self.base = 0  # about what the cluster had before the first request
         self.changes: deque[dict] = deque(maxlen=100)
@@ -79,7 +82,7 @@ class Demand:
         since = now - self._last_change
         if since < self.cooldown_s or not shares:
             return None
-        worst = max(waits.values(), default=0.0) / WINDOW_S
+        worst = max(waits.values(), default=0.0) / self.window_s
         full = shares.get("window_full", 0.0)
         making = shares.get("making", 0.0)
         if worst >= self.up_wait and making >= 0.5:
@@ -90,7 +93,7 @@ class Demand:
             if want <= max(self.requested, have):
                 return None  # at max_cpus, or the cluster has that many already
             return want, (
-                f"ranks waited up to {worst:.0%} of the last {WINDOW_S:.0f} s while the "
+                f"ranks waited up to {worst:.0%} of the last {self.window_s:.0f} s while the "
                 f"producer was making steps {making:.0%} of it: asking for {want} CPUs "
                 f"(the cluster has {cluster_cpus:g})"
             )
@@ -99,7 +102,7 @@ class Demand:
             down = self.requested - max(1, math.ceil(self.requested / 5))
             down = 0 if down <= self.base else down
             return down, (
-                f"the producer waited on a full window {full:.0%} of the last {WINDOW_S:.0f} s "
+                f"the producer waited on a full window {full:.0%} of the last {self.window_s:.0f} s "
                 f"and no rank waited over {self.up_wait / 5:.0%} of it: "
                 + (f"asking for {down} CPUs" if down else "withdrawing the request")
                 + f" (was {self.requested})"

@@ -85,14 +85,15 @@ class Telemetry:
         dt = recent[-1][0] - recent[0][0]
         return (recent[-1][1] - recent[0][1]) / dt, (recent[-1][2] - recent[0][2]) / dt
 
-    def wait_by_rank(self) -> dict[int, tuple[float, int]]:
-        """rank -> (seconds waited, reports) over the last WAIT_WINDOW_S seconds."""
+    def wait_by_rank(self, window_s: float = WAIT_WINDOW_S) -> dict[int, tuple[float, int]]:
+        """rank -> (seconds waited, reports) over the last `window_s` seconds (at most the
+        WAIT_WINDOW_S the status shows; the reports kept may not reach further)."""
         with self._lock:
             now = self.clock()
             waits = list(self.waits)
         out: dict[int, tuple[float, int]] = {}
         for t, rank, s in waits:
-            if now - t <= WAIT_WINDOW_S:
+            if now - t <= window_s:
                 total, n = out.get(rank, (0.0, 0))
                 out[rank] = (total + s, n + 1)
         return out

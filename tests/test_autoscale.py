@@ -92,7 +92,7 @@ def test_a_waiting_rank_makes_the_autoscaler_add_a_node_that_the_pool_grows_onto
     raw = {"seq_len": 8192, "global_batch_size": 8, "tokenizer": {"backend": "hf"},
            "read": {"block_bytes": 100_000, "first_block_bytes": 20_000},
            "streams": {"code": {"paths": [str(tmp_path / "a.jsonl")], "repeat": 1000}},
-           "service": {"autoscale": {"max_cpus": 2, "cooldown_s": 0},
+           "service": {"autoscale": {"max_cpus": 2, "cooldown_s": 0, "window_s": 8},
                        "control_resources": {"control": 0.01}}}  # fmt: skip
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(raw))
     logs = tmp_path / "logs"

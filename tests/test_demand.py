@@ -18,6 +18,11 @@ def test_producer_shares_weigh_each_state_by_how_long_it_lasted():
     assert shares == pytest.approx({"making": 0.75, "window_full": 0.25})
     assert producer_shares([], now) == {}
     assert producer_shares([(now - 10, "starting")], now) == {}, "10 s is no minute to judge"
+    # `service.autoscale.window_s`: a shorter window, judged once half of it is seen.
+    shares = producer_shares(obs, now, window_s=20)  # 5 window_full, 15 making
+    assert shares == pytest.approx({"making": 0.75, "window_full": 0.25})
+    assert producer_shares([(now - 10, "starting")], now, window_s=20) == {"starting": 1.0}
+    assert producer_shares([(now - 9, "starting")], now, window_s=20) == {}
 
 
 def test_it_asks_while_ranks_wait_and_steps_down_when_the_service_is_ahead():
@@ -52,7 +57,8 @@ def test_it_asks_while_ranks_wait_and_steps_down_when_the_service_is_ahead():
 @pytest.mark.slow
 def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_cluster):
     """A real batch server on the session's Ray: a rank that reports waiting for data while
-    the producer makes steps; once its states cover half a minute, the service asks for CPUs
+    the producer makes steps; once its states cover half the window (`window_s`: 8 s, not the
+    default minute, which the test would spend tokenizing), the service asks for CPUs
     (through Ray Data's autoscaling coordinator, no error), says why in its status and
     Prometheus, and withdraws the request when it closes."""
     from pipeline.read.resolve import parse_config
@@ -66,7 +72,8 @@ def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_clus
                         "read": {"block_bytes": 20_000, "first_block_bytes": 5_000},
                         "streams": {"code": {"paths": [str(tmp_path / "a.jsonl")],
                                              "repeat": 1000}},
-                        "service": {"autoscale": {"max_cpus": 64, "cooldown_s": 0}}})  # fmt: skip
+                        "service": {"autoscale": {"max_cpus": 64, "cooldown_s": 0,
+                                                  "window_s": 8}}})  # fmt: skip
     srv = BatchServer(cfg.model_dump(mode="json"), prefetch=2)
     try:
         srv.hello(0, 1)
@@ -74,12 +81,12 @@ def test_a_service_whose_rank_waits_asks_the_cluster_for_cpus(tmp_path, ray_clus
         while time.time() < deadline and not srv.status()["autoscale"]["changes"]:
             if srv.get(0, 1, step, 1.0).ready:
                 step += 1
-            srv.report_wait(0, 5.0)  # waited 5 s for data: 8% of a minute per report
+            srv.report_wait(0, 1.0)  # waited 1 s for data: 12% of the window per report
         scale = srv.status()["autoscale"]
         change = scale["changes"][0]
         assert change["error"] is None, change
         assert scale["requested_cpus"] == change["requested_cpus"] > 0
-        assert "ranks waited" in change["reason"]
+        assert "ranks waited" in change["reason"] and "of the last 8 s" in change["reason"]
         text = prometheus_text(srv.metrics(), srv.status())
         assert f"tokenmill_autoscale_requested_cpus {float(change['requested_cpus'])}" in text
     finally:
