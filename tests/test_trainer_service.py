@@ -54,26 +54,30 @@ def losses(path):
 
 
 def test_checkpoint_resume_continues_with_the_same_batches(ray_cluster, make_service, tmp_path):
-    torchrun(ray_cluster, 2, make_service(f"straight{os.getpid()}"), "--steps", "6",
-             "--log-json", str(tmp_path / "straight.jsonl"))  # fmt: skip
+    """A straight run of 6 steps keeps its checkpoint of step 3 (`--keep-checkpoints`); a run
+    resumed from it (`--resume-step 3`) on the same service, which has served past step 6,
+    trains steps 4-6 on the same batches with the same model and optimizer: the same losses.
+    (One straight run, not a straight run and a first half: a torchrun launch is ~17 CPU-s.)"""
     service = make_service(f"resumed{os.getpid()}")
-    ckpt = str(tmp_path / "ckpt")
-    out = torchrun(ray_cluster, 2, service, "--steps", "3", "--checkpoint", ckpt,
-                   "--log-json", str(tmp_path / "first.jsonl"))  # fmt: skip
+    ckpt = tmp_path / "ckpt"
+    out = torchrun(ray_cluster, 2, service, "--steps", "6", "--checkpoint", str(ckpt),
+                   "--checkpoint-every", "3", "--keep-checkpoints",
+                   "--log-json", str(tmp_path / "straight.jsonl"))  # fmt: skip
     # What a run says of itself (the smoke check: a torchrun launch of its own cost ~40 CPU-s)
     assert "global batch = 2 x 2 x 1 = 4 rows" in out
-    recs = [json.loads(x) for x in (tmp_path / "first.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (tmp_path / "straight.jsonl").read_text().splitlines()]
     assert all({"step_time_s", "data_wait_s", "tokens_per_s", "loss"} <= r.keys() for r in recs)
     summary = json.loads(next(x for x in out.splitlines() if x.startswith('{"summary"')))["summary"]
-    assert summary["steps"] == 3 and summary["loss_first"] > 0
-    torchrun(ray_cluster, 2, service, "--steps", "6", "--checkpoint", ckpt, "--resume",
-             "--log-json", str(tmp_path / "second.jsonl"))  # fmt: skip
-    straight, first, second = (
-        losses(tmp_path / f) for f in ("straight.jsonl", "first.jsonl", "second.jsonl")
-    )
-    assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
-    for step in range(1, 7):
-        assert (first | second)[step] == pytest.approx(straight[step], rel=1e-5), step
+    assert summary["steps"] == 6 and summary["loss_first"] > 0
+    kept = sorted(p.name for p in ckpt.iterdir())
+    assert kept == ["checkpoint-3.pt", "checkpoint-6.pt", "checkpoint.pt"], kept
+    out = torchrun(ray_cluster, 2, service, "--steps", "6", "--checkpoint", str(ckpt),
+                   "--resume-step", "3", "--log-json", str(tmp_path / "second.jsonl"))  # fmt: skip
+    assert f"resumed from {ckpt / 'checkpoint-3.pt'} at step 3" in out
+    straight, second = losses(tmp_path / "straight.jsonl"), losses(tmp_path / "second.jsonl")
+    assert sorted(straight) == [1, 2, 3, 4, 5, 6] and sorted(second) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert second[step] == pytest.approx(straight[step], rel=1e-5), step
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node N -m trainer.train --service tokenmill --steps S \
         [--address ADDR] [--grad-accum K] [--lr LR] [--checkpoint DIR] [--resume] \
-        [--log-json PATH]
+        [--keep-checkpoints] [--resume-step N] [--log-json PATH]
 
 The only data code here is the feed client (trainer/feed.py). One optimizer step consumes
 `grad_accum` micro-batches per rank. The loss is token-weighted: every labelled token of the
@@ -32,7 +32,12 @@ from trainer.model import IGNORE_INDEX, forward_packed, small_llama, token_losse
 from wire.protocol import TENSOR_COLUMNS
 
 TENSOR_KEYS = TENSOR_COLUMNS
-CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_FILE = "checkpoint.pt"  # the newest; with --keep-checkpoints, each also by step
+
+
+def kept_checkpoint(directory: Path, step: int) -> Path:
+    """Where `--keep-checkpoints` keeps the checkpoint of `step` (`--resume-step`)."""
+    return directory / f"checkpoint-{step}.pt"
 
 
 def _world() -> tuple[int, int]:
@@ -209,10 +214,23 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint", type=Path, default=None, help="checkpoint directory")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between saves")
     p.add_argument("--resume", action="store_true", help="resume from --checkpoint")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep every save as DIR/checkpoint-STEP.pt too (a hard link)",
+    )
+    p.add_argument(
+        "--resume-step",
+        type=int,
+        default=None,
+        help="resume from the kept DIR/checkpoint-STEP.pt, not the newest",
+    )
     p.add_argument("--log-json", type=Path, default=None, help="append one JSON line per step")
     args = p.parse_args(argv)
+    if args.resume_step is not None:
+        args.resume = True
     if args.resume and args.checkpoint is None:
-        p.error("--resume needs --checkpoint DIR")
+        p.error("--resume and --resume-step need --checkpoint DIR")
     if args.steps < 1 or args.grad_accum < 1:
         p.error(f"--steps and --grad-accum must be >= 1, got {args.steps}, {args.grad_accum}")
     return args
@@ -247,9 +265,13 @@ def main(argv: list[str] | None = None) -> dict:
     ckpt = args.checkpoint / CHECKPOINT_FILE if args.checkpoint else None
     start_step, feed_state = 0, None
     if args.resume:
-        start_step, feed_state = load_checkpoint(ckpt, model, optimizer)
+        assert args.checkpoint is not None and ckpt is not None
+        source = (
+            ckpt if args.resume_step is None else kept_checkpoint(args.checkpoint, args.resume_step)
+        )
+        start_step, feed_state = load_checkpoint(source, model, optimizer)
         if rank == 0:
-            print(f"resumed from {ckpt} at step {start_step}")
+            print(f"resumed from {source} at step {start_step}")
     ddp = DDP(model, device_ids=[local_rank] if cuda else None) if distributed else model
     feed = Feed.connect(
         service=args.service, rank=rank, world_size=world, address=args.address, state=feed_state
@@ -265,11 +287,19 @@ def main(argv: list[str] | None = None) -> dict:
 
     saved = [start_step]
 
+    def save(step: int) -> None:
+        assert ckpt is not None
+        save_checkpoint(ckpt, model, optimizer, feed.state_dict(), step)
+        saved[0] = step
+        if args.keep_checkpoints:
+            kept = kept_checkpoint(ckpt.parent, step)
+            kept.unlink(missing_ok=True)  # a run resumed before it saves that step again
+            os.link(ckpt, kept)
+
     def on_step(step: int) -> None:
         # Every rank has consumed the same global steps, so rank 0's feed state is the run's.
         if ckpt and rank == 0 and step % args.checkpoint_every == 0:
-            save_checkpoint(ckpt, model, optimizer, feed.state_dict(), step)
-            saved[0] = step
+            save(step)
 
     try:
         summary = train(
@@ -285,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
             report_loss=feed.report_loss,
         )
         if ckpt and rank == 0 and summary["last_step"] > saved[0]:  # the final state
-            save_checkpoint(ckpt, model, optimizer, feed.state_dict(), summary["last_step"])
+            save(summary["last_step"])
     finally:
         feed.close()
         if distributed:
