@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from tests.rayhead import patient
@@ -73,22 +74,50 @@ class Nodes:
         return node_id
 
 
-@contextlib.contextmanager
-def nodes(head: dict, workers: list[dict], env: dict, log: Path):
-    """The cluster, up; shut down (and its temp dir removed) at the end. A private temp dir
-    (RAY_TMPDIR, short for AF_UNIX paths) keeps its address file from anyone else."""
+# Ray gives a node's raylet 30 s to register with the GCS (a constant in ray/_private/node.py)
+# and raises past it: under the load check (two busy loops beside the suite) a head missed it.
+# A cluster whose start timed out so is started again, once, and while `patient(150)` lasts.
+TIMED_OUT = "timed out during startup"
+
+
+def _start(spec: str, env: dict, log: Path) -> tuple[subprocess.Popen, str, str]:
+    """The owning process, its first line ('' if it ended first), and its temp dir."""
     temp = tempfile.mkdtemp(prefix="tn", dir="/tmp")
-    spec = json.dumps({"head": head, "nodes": workers})
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "tests.nodes", spec], cwd=ROOT, text=True,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                 env=env | {"RAY_TMPDIR": temp}, start_new_session=True)  # fmt: skip
+    assert proc.stdout is not None
+    return proc, proc.stdout.readline(), temp
+
+
+def _kill(proc: subprocess.Popen, temp: str) -> None:
+    """The owning process's group (the nodes' processes started in it), then its temp dir."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, 9)
+    proc.wait()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def nodes(head: dict, workers: list[dict], env: dict, log: Path):
+    """The cluster, up; shut down (and its temp dir removed) at the end. A private temp dir
+    (RAY_TMPDIR, short for AF_UNIX paths) keeps its address file from anyone else."""
+    spec = json.dumps({"head": head, "nodes": workers})
+    deadline = time.monotonic() + patient(150)
+    for attempt in range(1, 9):
+        proc, line, temp = _start(spec, env, log)
+        if line:
+            break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=patient(60))  # what it says is written
+        said = log.read_text()[-3000:]
+        _kill(proc, temp)
+        late = attempt == 8 or (attempt >= 2 and time.monotonic() > deadline)
+        if TIMED_OUT not in said or late:
+            raise AssertionError(f"the cluster did not start, {attempt} time(s):\n{said}")
+        print(f"the cluster timed out starting, attempt {attempt}:\n{said}", file=sys.stderr)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line:
-            proc.wait(timeout=patient(60))
-            raise AssertionError(f"the cluster did not start:\n{log.read_text()[-3000:]}")
         yield Nodes(proc, json.loads(line))
     finally:
         with contextlib.suppress(Exception):

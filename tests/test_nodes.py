@@ -63,12 +63,12 @@ np.savez(out, **{f"{r}_{k}": np.stack([x[i] for x in got[r]]) for r in got
 
 
 def _metrics(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/metrics", timeout=10) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/metrics", timeout=patient(10)) as r:
         return json.loads(r.read())
 
 
 def _lane_nodes(port: int, n: int, timeout_s: float = 120) -> list[str]:
-    deadline = time.time() + timeout_s
+    deadline = time.time() + patient(timeout_s)
     while True:
         lanes = _metrics(port).get("lanes") or []
         found = [lane.get("node_id") for lane in lanes]
