@@ -22,6 +22,7 @@ By hand (a demo): `./dev hosts` brings up a head and two data hosts and prints h
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.rayhead import patient
@@ -107,7 +109,12 @@ class Host:
                     time.sleep(0.02)
         return ["nsenter", "-t", str(self.init), "-p", "-m", "-n", "--"]
 
-    def start_ray(self, head: Host | None, cpus: int, resources: dict | None = None) -> None:
+    @property
+    def ray_log(self) -> Path:
+        return self.hosts.logs / f"ray-{self.name}.log"
+
+    def start_ray(self, head: Host | None, cpus: int,
+                  resources: dict | None = None) -> subprocess.Popen:  # fmt: skip
         """A Ray node on this host: the head when `head` is None, else joined to `head`."""
         join = (["--head", f"--port={GCS_PORT}", "--include-dashboard=false"] if head is None
                 else [f"--address={head.ip}:{GCS_PORT}"])  # fmt: skip
@@ -115,7 +122,20 @@ class Host:
                f"--num-cpus={cpus}", f"--temp-dir={self.temp}",
                f"--object-store-memory={100 * MB}", f"--memory={2048 * MB}",
                f"--resources={json.dumps(resources or {})}"]  # fmt: skip
-        self.run(cmd, self.hosts.logs / f"ray-{self.name}.log", env=self.hosts.ray_env)
+        return self.run(cmd, self.ray_log, env=self.hosts.ray_env)
+
+    def stop_all_but_init(self) -> None:
+        """Every process of this host but its PID namespace's first (the host stays up): what
+        a `ray start` that gave up left behind."""
+        keep = {self.init, self.init_proc.pid if self.init_proc else None}
+        for _ in range(5):
+            pids = [p for p in self.pids() if p not in keep]
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.2)
 
     def pids(self) -> list[int]:
         r = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True)
@@ -245,6 +265,45 @@ print(json.dumps([{"id": x["NodeID"], "ip": x["NodeManagerAddress"], "resources"
 """
 
 
+STARTED = "Ray runtime started."  # what `ray start` says once its node is up
+
+
+def _ray_up(starts: list[tuple[Host, Callable[[], subprocess.Popen]]]) -> None:
+    """Start these hosts' Ray nodes, and wait until each says it is up. `ray start` gives its
+    raylet 30 s to register with the GCS (a constant in ray/_private/node.py) and exits past
+    it: under the load check (two busy loops beside the suite) a head did, and every node
+    joining it with it. A node that exits before it is up is started again (what it left on
+    its host killed, the host kept), once, and while `patient(150)` lasts."""
+    deadline = time.monotonic() + patient(150)
+    for attempt in range(1, 9):
+        marks = {h.name: h.ray_log.stat().st_size if h.ray_log.exists() else 0 for h, _ in starts}
+        running = [(h, start, start()) for h, start in starts]
+        up_by, failed = time.monotonic() + patient(90), []
+        for host, start, proc in running:
+            while True:
+                with open(host.ray_log, errors="replace") as f:
+                    f.seek(marks[host.name])
+                    said = f.read()
+                if STARTED in said:
+                    break
+                if proc.poll() is not None:
+                    failed.append((host, start, said[-3000:]))
+                    break
+                if time.monotonic() > up_by:
+                    raise AssertionError(f"host {host.name}: Ray did not come up:\n{said[-3000:]}")
+                time.sleep(0.5)
+        if not failed:
+            return
+        for host, _, said in failed:
+            if attempt == 8 or (attempt >= 2 and time.monotonic() > deadline):
+                raise AssertionError(f"host {host.name}: Ray gave up {attempt} times:\n{said}")
+            print(
+                f"host {host.name}: ray start gave up, attempt {attempt}:\n{said}", file=sys.stderr
+            )
+            host.stop_all_but_init()
+        starts = [(h, s) for h, s, _ in failed]
+
+
 @contextlib.contextmanager
 def cluster(logs: Path, data_hosts: int = 2, trainer: bool = True, env: dict | None = None):
     """A head host (no CPUs for work: resource `control`), `data_hosts` data hosts (2 CPUs,
@@ -254,11 +313,14 @@ def cluster(logs: Path, data_hosts: int = 2, trainer: bool = True, env: dict | N
     hosts = Hosts(names, logs, env)
     try:
         head = hosts["head"]
-        head.start_ray(None, cpus=0, resources={"control": 1})
+        _ray_up([(head, lambda: head.start_ray(None, cpus=0, resources={"control": 1}))])
+        starts = []  # the other nodes once the head is up: together, each started again alone
         for name in names[1:]:
             data = name.startswith("data")
-            hosts[name].start_ray(head, cpus=2 if data else 1,
-                                  resources={"data": 4} if data else {"trainer": 1})  # fmt: skip
+            starts.append((hosts[name], functools.partial(
+                hosts[name].start_ray, head, cpus=2 if data else 1,
+                resources={"data": 4} if data else {"trainer": 1})))  # fmt: skip
+        _ray_up(starts)
         hosts.wait_nodes(len(names), "head")
         yield hosts
     finally:
