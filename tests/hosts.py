@@ -357,11 +357,11 @@ def autoscaling(logs: Path, data: dict, min_data: int, max_data: int, env: dict 
             "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
         }))  # fmt: skip
         env = hosts.ray_env | {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
-        head.run([RAY, "start", "--head", "--block", f"--autoscaling-config={config}",
-                  f"--port={GCS_PORT}", f"--node-ip-address={head.ip}", "--num-cpus=0",
-                  '--resources={"control": 1}', f"--object-store-memory={100 * MB}",
-                  f"--temp-dir={head.temp}", "--include-dashboard=false"],
-                 logs / "ray-head.log", env=env)  # fmt: skip
+        cmd = [RAY, "start", "--head", "--block", f"--autoscaling-config={config}",
+               f"--port={GCS_PORT}", f"--node-ip-address={head.ip}", "--num-cpus=0",
+               '--resources={"control": 1}', f"--object-store-memory={100 * MB}",
+               f"--temp-dir={head.temp}", "--include-dashboard=false"]  # fmt: skip
+        _ray_up([(head, lambda: head.run(cmd, head.ray_log, env=env))])
         hosts.wait_nodes(1 + min_data, "head")
         yield hosts
     finally:
