@@ -11,8 +11,8 @@ renews while it wants them: a service that dies leaves no request behind. The ru
 two signals the service already has:
 
 - the ranks' data wait (what they report, `Feed.report_wait`): the share of the last
-  `window_s` seconds (60 by default) the worst-waiting rank spent waiting (a synchronous step waits for its
-  slowest rank);
+  `window_s` seconds (60 by default) the worst-waiting rank spent waiting (a synchronous step
+  waits for its slowest rank);
 - the producer's state over the same window: `window_full` is the service being ahead of the
   trainers (nothing to gain from more CPUs); `making` while ranks wait is the service behind.
 
