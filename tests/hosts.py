@@ -124,27 +124,16 @@ class Host:
                f"--resources={json.dumps(resources or {})}"]  # fmt: skip
         return self.run(cmd, self.ray_log, env=self.hosts.ray_env)
 
-    def stop_all_but_init(self) -> None:
-        """Every process of this host but its PID namespace's first (the host stays up): what
-        a `ray start` that gave up left behind."""
-        keep = {self.init, self.init_proc.pid if self.init_proc else None}
-        for _ in range(5):
-            pids = [p for p in self.pids() if p not in keep]
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.2)
-
     def pids(self) -> list[int]:
         r = subprocess.run(["ip", "netns", "pids", self.ns], capture_output=True, text=True)
         return [int(p) for p in r.stdout.split()]
 
-    def kill(self) -> None:
-        """Every process of this host, at once (a host lost)."""
+    def kill(self, keep_init: bool = False) -> None:
+        """Every process of this host, at once (a host lost); with `keep_init`, all but its
+        PID namespace's first, the host staying up (what a `ray start` that gave up left)."""
+        keep = {self.init, self.init_proc.pid if self.init_proc else None} if keep_init else set()
         for _ in range(5):  # a dying process may leave a child that was forking
-            pids = self.pids()
+            pids = [p for p in self.pids() if p not in keep]
             if not pids:
                 return
             for pid in pids:
@@ -300,7 +289,7 @@ def _ray_up(starts: list[tuple[Host, Callable[[], subprocess.Popen]]]) -> None:
             print(
                 f"host {host.name}: ray start gave up, attempt {attempt}:\n{said}", file=sys.stderr
             )
-            host.stop_all_but_init()
+            host.kill(keep_init=True)
         starts = [(h, s) for h, s, _ in failed]
 
 
