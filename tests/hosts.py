@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.rayhead import patient
+from tests.rayhead import patient, wait_said
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -265,22 +265,13 @@ def _ray_up(starts: list[tuple[Host, Callable[[], subprocess.Popen]]]) -> None:
     its host killed, the host kept), once, and while `patient(150)` lasts."""
     deadline = time.monotonic() + patient(150)
     for attempt in range(1, 9):
-        marks = {h.name: h.ray_log.stat().st_size if h.ray_log.exists() else 0 for h, _ in starts}
         running = [(h, start, start()) for h, start in starts]
-        up_by, failed = time.monotonic() + patient(90), []
+        failed = []
         for host, start, proc in running:
-            while True:
-                with open(host.ray_log, errors="replace") as f:
-                    f.seek(marks[host.name])
-                    said = f.read()
-                if STARTED in said:
-                    break
-                if proc.poll() is not None:
-                    failed.append((host, start, said[-3000:]))
-                    break
-                if time.monotonic() > up_by:
-                    raise AssertionError(f"host {host.name}: Ray did not come up:\n{said[-3000:]}")
-                time.sleep(0.5)
+            try:  # the log is appended to: an attempt that gave up never said it started
+                wait_said(host.ray_log, STARTED, timeout=90, alive=proc)
+            except ChildProcessError:
+                failed.append((host, start, host.ray_log.read_text(errors="replace")[-3000:]))
         if not failed:
             return
         for host, _, said in failed:
