@@ -124,10 +124,7 @@ def nodes(head: dict, workers: list[dict], env: dict, log: Path):
             assert proc.stdin is not None
             proc.stdin.close()
             proc.wait(timeout=patient(60))
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        shutil.rmtree(temp, ignore_errors=True)
+        _kill(proc, temp)  # what a shutdown left (or the whole group, if it hung)
 
 
 if __name__ == "__main__":
