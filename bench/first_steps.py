@@ -19,8 +19,10 @@ steps' time), the longest single wait, and the first batch's time from the metho
   iterates its split with `iter_batches(batch_size=G / W)`. No shuffle, mixing, resume or
   exactness check: a user's plain pipeline.
 
-Methods alternate, tokenmill first, `--repeats` times. The figures are shares of the same
-runs' time, not rates: compare them within one run of the bench.
+Methods alternate, tokenmill first, `--repeats` times. Each method starts on a settled cluster:
+the last one's actors gone and its CPUs free again (`_settle`), so that neither pays for the
+other's teardown. The figures are shares of the same runs' time, not rates: compare them within
+one run of the bench.
 """
 
 from __future__ import annotations
@@ -126,6 +128,29 @@ def ray_data(corpus: Path, world: int, steps: int, step_s: float) -> dict:
     return _ranks(world, steps, step_s, make)
 
 
+def _settle(timeout_s: float = 120.0, quiet_s: float = 3.0) -> float:
+    """Wait until the last method's CPUs are free and its actors have stopped dying (Ray kills
+    a dropped pipeline's actors asynchronously: a run that began meanwhile shared the cores
+    with their teardown). The actors alive must stay the same for `quiet_s`: some stay for
+    the driver's life (Ray Data's stats and split coordinators). Returns the seconds waited."""
+    import ray
+    from ray._private.state import actors  # the GCS's table: no dashboard here (connect)
+
+    t0 = time.monotonic()
+    last: tuple[frozenset, float] = (frozenset(), t0)
+    while (now := time.monotonic()) - t0 < timeout_s:
+        free = ray.available_resources().get("CPU", 0.0)
+        alive = frozenset(k for k, a in actors().items() if a.get("State") != "DEAD")
+        if alive != last[0]:
+            last = (alive, now)
+        elif free >= ray.cluster_resources().get("CPU", 0.0) and now - last[1] >= quiet_s:
+            break
+        time.sleep(0.5)
+    else:
+        print(f"(not settled after {timeout_s:.0f} s: {free:g} CPU free; going on)", flush=True)
+    return time.monotonic() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m bench first-steps", description=__doc__.split("\n\n")[0]
@@ -157,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
           f" {'1st batch':>10}")  # fmt: skip
     for i in range(args.repeats):
         for method in args.methods.split(","):
+            settled = _settle()
             if method == "tokenmill":
                 r = tokenmill(corpus, args.world_size, args.steps, step_s, args.lanes,
                               json.loads(args.config))  # fmt: skip
             else:
                 r = ray_data(corpus, args.world_size, args.steps, step_s)
-            rows.append({"method": method, "run": i, **r})
+            rows.append({"method": method, "run": i, "settle_s": settled, **r})
             print(f"{method:<10} {r['wait']:>6.1%} {r['wait_first']:>9.1%} {r['wait_after']:>6.1%}"
                   f" {r['longest_s']:>7.2f}s {r['longest_at']:>8} {r['first_batch_s']:>9.2f}s",
                   flush=True)  # fmt: skip
