@@ -20,8 +20,8 @@ steps' time), the longest single wait, and the first batch's time from the metho
   exactness check: a user's plain pipeline.
 
 Methods alternate, tokenmill first, `--repeats` times. Each method starts on a settled cluster:
-the last one's actors gone and its CPUs free again (`_settle`), so that neither pays for the
-other's teardown. The figures are shares of the same runs' time, not rates: compare them within
+the last one's CPUs free again and its actors no longer dying (`_settle`), so that neither pays
+for the other's teardown. The figures are shares of the same runs' time, not rates: compare them within
 one run of the bench.
 """
 
