@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.rayhead import patient, wait_said
+from tests.rayhead import START_ATTEMPTS, STARTED, patient, starts_over, wait_said
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -254,9 +254,6 @@ print(json.dumps([{"id": x["NodeID"], "ip": x["NodeManagerAddress"], "resources"
 """
 
 
-STARTED = "Ray runtime started."  # what `ray start` says once its node is up
-
-
 def _ray_up(starts: list[tuple[Host, Callable[[], subprocess.Popen]]]) -> None:
     """Start these hosts' Ray nodes, and wait until each says it is up. `ray start` gives its
     raylet 30 s to register with the GCS (a constant in ray/_private/node.py) and exits past
@@ -264,7 +261,7 @@ def _ray_up(starts: list[tuple[Host, Callable[[], subprocess.Popen]]]) -> None:
     joining it with it. A node that exits before it is up is started again (what it left on
     its host killed, the host kept), once, and while `patient(150)` lasts."""
     deadline = time.monotonic() + patient(150)
-    for attempt in range(1, 9):
+    for attempt in range(1, START_ATTEMPTS + 1):
         running = [(h, start, start()) for h, start in starts]
         failed = []
         for host, start, proc in running:
@@ -275,7 +272,7 @@ def _ray_up(starts: list[tuple[Host, Callable[[], subprocess.Popen]]]) -> None:
         if not failed:
             return
         for host, _, said in failed:
-            if attempt == 8 or (attempt >= 2 and time.monotonic() > deadline):
+            if starts_over(attempt, deadline):
                 raise AssertionError(f"host {host.name}: Ray gave up {attempt} times:\n{said}")
             print(
                 f"host {host.name}: ray start gave up, attempt {attempt}:\n{said}", file=sys.stderr

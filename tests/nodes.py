@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.rayhead import patient
+from tests.rayhead import START_ATTEMPTS, patient, starts_over
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def nodes(head: dict, workers: list[dict], env: dict, log: Path):
     (RAY_TMPDIR, short for AF_UNIX paths) keeps its address file from anyone else."""
     spec = json.dumps({"head": head, "nodes": workers})
     deadline = time.monotonic() + patient(150)
-    for attempt in range(1, 9):
+    for attempt in range(1, START_ATTEMPTS + 1):
         proc, line, temp = _start(spec, env, log)
         if line:
             break
@@ -113,8 +113,7 @@ def nodes(head: dict, workers: list[dict], env: dict, log: Path):
             proc.wait(timeout=patient(60))  # what it says is written
         said = log.read_text()[-3000:]
         _kill(proc, temp)
-        late = attempt == 8 or (attempt >= 2 and time.monotonic() > deadline)
-        if TIMED_OUT not in said or late:
+        if TIMED_OUT not in said or starts_over(attempt, deadline):
             raise AssertionError(f"the cluster did not start, {attempt} time(s):\n{said}")
         print(f"the cluster timed out starting, attempt {attempt}:\n{said}", file=sys.stderr)
     try:

@@ -114,6 +114,18 @@ def serve_process(config, address: str, name: str, cwd, env: dict | None = None)
                     proc.kill()
 
 
+STARTED = "Ray runtime started."  # what `ray start` says once its node is up
+START_ATTEMPTS = 8  # how often the suite starts a Ray node that gave up (`starts_over`)
+
+
+def starts_over(attempt: int, deadline: float) -> bool:
+    """Whether a Ray node's start that failed at `attempt` is the last one: the suite starts a
+    node again once whatever the load, and then while `deadline` (time.monotonic()) lasts, up
+    to START_ATTEMPTS times. (`ray start` gives its raylet 30 s to register, a constant in
+    ray/_private/node.py, which a loaded machine exceeds.)"""
+    return attempt >= START_ATTEMPTS or (attempt >= 2 and time.monotonic() > deadline)
+
+
 @contextlib.contextmanager
 def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
     """Yields {"gcs", "dashboard", "temp"}; `temp` is the cluster's --temp-dir (short: AF_UNIX
@@ -130,7 +142,7 @@ def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
     # ray/_private/node.py) and exits past it: under the load check (two busy loops beside
     # the suite, load average ~17) a head came up at its second attempt, after 134 s.
     deadline = time.monotonic() + patient(150)
-    for attempt in range(1, 9):
+    for attempt in range(1, START_ATTEMPTS + 1):
         gcs, dash = free_port(), free_port()
         # What `ray start` says goes to a file in its temp dir: why a head did not come up.
         os.makedirs(temp, exist_ok=True)
@@ -150,7 +162,7 @@ def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
             # The GCS listens before the head's raylet has registered with it: a driver that
             # joins in between fails ("Failed to connect to Ray cluster", seen on a loaded
             # machine). `ray start` says so once its node is up.
-            wait_said(Path(log.name), "Ray runtime started.", timeout=patient(90), alive=proc)
+            wait_said(Path(log.name), STARTED, timeout=patient(90), alive=proc)
             break
         except (ChildProcessError, TimeoutError) as e:
             with contextlib.suppress(ProcessLookupError):
@@ -159,7 +171,7 @@ def ray_head(env: dict, dashboard: bool = False, temp: str | None = None):
             log.close()
             said = Path(log.name).read_text(errors="replace")[-3000:]
             print(f"ray start --head, attempt {attempt}: {e}\n{said}", file=sys.stderr)
-            if attempt >= 2 and (time.monotonic() > deadline or attempt == 8):
+            if starts_over(attempt, deadline):
                 raise TimeoutError(
                     f"ray start --head did not come up, {attempt} times: {e}\n{said}"
                 ) from None
