@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -167,14 +168,28 @@ def main(argv: list[str] | None = None) -> int:
                     "(e.g. '{\"shuffle\": {\"pieces\": 0}}')")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    os.environ.setdefault("RAY_TMPDIR", tempfile.mkdtemp(prefix="tf", dir="/tmp"))
+    # Ray's own temp folder, made here unless RAY_TMPDIR names one, and removed at the end
+    made = None if "RAY_TMPDIR" in os.environ else tempfile.mkdtemp(prefix="tf", dir="/tmp")
+    if made:
+        os.environ["RAY_TMPDIR"] = made
     for var in ("RAY_ADDRESS", "TOKENMILL_RAY_ADDRESS"):
         os.environ.pop(var, None)
+    from client.cluster import connect, shutdown
+
+    started = connect(None)
+    try:
+        return _measure(args)
+    finally:
+        shutdown(started)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    """Each method, `args.repeats` times, alternating on the settled cluster: the table."""
     from bench.corpora import resolve_corpus
-    from client.cluster import connect
 
     corpus = resolve_corpus(None if args.corpus == "demo" else args.corpus)
-    connect(None)
     step_s = args.step_ms / 1000
     rows = []
     print(f"{args.world_size} ranks, {args.steps} steps at {args.step_ms:g} ms, {corpus.name}")
