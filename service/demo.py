@@ -27,8 +27,8 @@ from service.demo_corpus import build_demo_corpus
 RANKS = 2
 # The ranks' malloc: each step's logits (rows x 100k vocabulary, ~200 MB a rank) and their
 # gradients are blocks glibc would mmap, unmap at free and fault in again the next step; from
-# the heap, kept, the demo's 10 steps took 29 s instead of 38 s on this 2-core VM (17 -> 6 s
-# in the kernel), the same losses. A user's own GLIBC_TUNABLES wins.
+# the heap, kept (for the ranks only), `demo --steps 10 --policy` took 32 s instead of 38 s on a
+# 2-core VM (17 -> 7 s in the kernel), the same losses. A user's own GLIBC_TUNABLES wins.
 RANKS_MALLOC = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295"
 
 
