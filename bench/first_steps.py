@@ -2,7 +2,8 @@
 `streaming_split` on the same corpus in the same run.
 
     python -m bench first-steps [--corpus site-packages:128] [--world-size 4] [--steps 300]
-        [--step-ms 50] [--repeats 2] [--lanes 1] [--config JSON] [--json PATH]
+        [--step-ms 50] [--repeats 2] [--lanes 1] [--methods tokenmill,ray-data,baseline]
+        [--config JSON] [--baseline JSON] [--json PATH]
 
 W ranks (threads of this process, one driver, one local Ray for both) each take `--steps`
 batches and spend `--step-ms` on each one (a trainer's step), beginning as soon as they have
@@ -17,7 +18,9 @@ steps' time), the longest single wait, and the first batch's time from the metho
   pool of the machine's CPUs (bench.peers's `_RayTokenize`) -> `map_batches` packing each
   batch's documents end to end into rows of L -> `streaming_split(W, equal=True)`; each rank
   iterates its split with `iter_batches(batch_size=G / W)`. No shuffle, mixing, resume or
-  exactness check: a user's plain pipeline.
+  exactness check: a user's plain pipeline;
+- baseline: tokenmill with `--baseline`'s config keys instead of `--config`'s (by default
+  `read.ramp_parts: 1`: every piece read whole), to compare a setting within one run.
 
 Methods alternate, tokenmill first, `--repeats` times. Each method starts on a settled cluster:
 the last one's CPUs free again and its actors no longer dying (`_settle`), so that neither pays
@@ -166,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="tokenmill,ray-data")
     ap.add_argument("--config", default="{}", help="tokenmill's config keys on top, as JSON "
                     "(e.g. '{\"shuffle\": {\"pieces\": 0}}')")  # fmt: skip
+    ap.add_argument("--baseline", default="{\"read\": {\"ramp_parts\": 1}}",
+                    help="the config keys of method 'baseline' (tokenmill with these instead of "
+                    "--config; by default whole pieces, as before read.ramp_parts), e.g. "
+                    "--methods tokenmill,baseline")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     # Ray's own temp folder, made here unless RAY_TMPDIR names one, and removed at the end
@@ -198,9 +205,10 @@ def _measure(args: argparse.Namespace) -> int:
     for i in range(args.repeats):
         for method in args.methods.split(","):
             settled = _settle()
-            if method == "tokenmill":
+            if method in ("tokenmill", "baseline"):
+                keys = args.config if method == "tokenmill" else args.baseline
                 r = tokenmill(corpus, args.world_size, args.steps, step_s, args.lanes,
-                              json.loads(args.config))  # fmt: skip
+                              json.loads(keys))  # fmt: skip
             else:
                 r = ray_data(corpus, args.world_size, args.steps, step_s)
             rows.append({"method": method, "run": i, "settle_s": settled, **r})

@@ -275,6 +275,12 @@ class ReadConfig(_Frozen):
         return min(self.block_bytes, self.first_block_bytes)
 
     max_in_flight: int = Field(default=0, ge=0)  # 0: 2 x the cluster's CPUs
+    # With interleaved pieces: the first `shuffle.pieces` pieces of the first epoch are read
+    # in up to this many parts each, their first rows ahead of the rest, so the first steps
+    # ask about twice their own tokens tokenized, not all of those pieces' (stages/plan.py
+    # `ramp_parts`). 1: whole pieces. The same documents in the same order either way, so not
+    # in the config hash.
+    ramp_parts: int = Field(default=5, ge=1)
     # A JSONL record (line) or text-format file longer than this is a counted reject, read
     # past without being held: one huge line (a decompression bomb, a file without line
     # endings) cannot exhaust memory.
@@ -557,7 +563,8 @@ class Config(_Frozen):
             data["tokenizer"]["add_bos"] = False
         if not self.shuffle.interleaved:  # the window-only shuffle: its configs' hashes
             del data["shuffle"]["pieces"], data["shuffle"]["piece_bytes"]
-        del data["read"]["in_lanes"], data["read"]["ahead"]  # who tokenizes and when, not what
+        for how in ("in_lanes", "ahead", "ramp_parts"):  # who tokenizes and when, not what
+            del data["read"][how]
         if data["mixing"]["policy"] is None:
             del data["mixing"]["policy"]  # off: the hashes of configs from before it
         else:

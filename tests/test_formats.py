@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -139,3 +140,28 @@ def test_datasets_directories_that_cannot_be_one_stream_are_named(tmp_path):
         _arrow(tmp_path / "dd" / split / "data-00000-of-00001.arrow", ["x"], True, 1)
     with pytest.raises(ConfigError, match=r"DatasetDict; give one split's directory .*/dd/test"):
         parse_config({"streams": {"s": {"paths": [str(tmp_path / "dd")]}}})
+
+
+def test_a_piece_read_in_parts_gives_its_rows_in_order_in_every_format(tmp_path):
+    """Piece.skip/take (the interleave's ramp reads a piece's first rows ahead of the rest):
+    the parts of a piece, read one after another, are the piece's rows, bad ones included."""
+    import pyarrow.parquet as pq
+
+    texts = stdlib_texts(30, max_bytes=800)
+    lines = [json.dumps({"text": t}) for t in texts]
+    lines[3], lines[11], lines[12] = "{not json", "", json.dumps({"other": 1})
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet", row_group_size=30)
+    _arrow(tmp_path / "d.arrow", texts, stream=False, batch_rows=7)
+    for fmt in ("jsonl", "parquet", "arrow"):
+        [[piece]] = plan_pieces([str(tmp_path / f"d.{fmt}")], fmt, piece_bytes=1 << 20)
+        assert formats.get(fmt).parts
+        whole = list(read_piece(piece, "text"))
+        assert len(whole) == 30
+        for cuts in ([0, 1, 30], [0, 4, 6, 10, 18, -1], [0, 12, 40, -1], [0, 29, -1]):
+            got = []
+            for a, b in zip(cuts, cuts[1:], strict=False):
+                part = dataclasses.replace(piece, skip=a, take=-1 if b < 0 else b - a)
+                got += list(read_piece(part, "text"))
+            assert got == whole, (fmt, cuts)
+    assert not formats.get("text").parts and not formats.get("export").parts

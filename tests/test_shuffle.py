@@ -40,11 +40,11 @@ def sorted_corpus(tmp_path_factory):
     return d
 
 
-def _cfg(d, shuffle=None, files=("a.jsonl", "b.jsonl"), **stream):
+def _cfg(d, shuffle=None, files=("a.jsonl", "b.jsonl"), read=None, **stream):
     return parse_config({
         "seed": 5, "seq_len": 128, "global_batch_size": 4,
         "shuffle": {"piece_bytes": 4096, "pieces": 24, "window": 16} | (shuffle or {}),
-        "read": {"block_bytes": 32768, "first_block_bytes": 8192},
+        "read": {"block_bytes": 32768, "first_block_bytes": 8192} | (read or {}),
         "streams": {"s": {"paths": [str(d / f) for f in files]} | stream},
     })  # fmt: skip
 
@@ -102,6 +102,35 @@ def test_the_schedule_draws_every_row_once_and_resumes_from_its_snapshot():
         assert rest == drawn[k:], k
 
 
+def test_pieces_given_in_parts_draw_as_pieces_given_whole():
+    """Interleave.opened(more=True) / needs / extended: the draws do not depend on when the
+    rest of a piece's rows are given, only on how many there are."""
+    rng = random.Random(3)
+    sizes = [rng.randint(0, 30) for _ in range(40)]
+    for limit in (1, 4, 16):
+        whole = Interleave(limit, 9, "x", 0, len(sizes))
+        split = Interleave(limit, 9, "x", 0, len(sizes))
+        given = [0] * len(sizes)  # rows of each piece given to `split`
+        asked = 0
+        while not whole.finished:
+            want = whole.to_open()
+            if want is not None:
+                whole.opened(want, sizes[want])
+                assert split.to_open() == want
+                given[want] = min(sizes[want], rng.randint(1, 4))
+                split.opened(want, given[want], given[want] < sizes[want])
+                continue
+            while (need := split.needs()) is not None:
+                extra = min(sizes[need] - given[need], rng.randint(0, 5))
+                given[need] += extra
+                split.extended(need, extra, given[need] < sizes[need])
+                asked += 1
+            assert split.to_open() is None and not split.finished
+            assert split.draw() == whole.draw()
+            assert split.snapshot() == whole.snapshot()
+        assert split.finished and asked > 0
+
+
 @pytest.mark.parametrize(
     ("stream", "midpoints"),
     [({"repeat": 2}, [0, 1, 9, 333, 2999, 3040, 4500]), ({"max_tokens": 60_000}, [0, 2, 500])],
@@ -111,6 +140,40 @@ def test_the_source_resumes_exactly_from_any_state(sorted_corpus, stream, midpoi
     cfg = _cfg(sorted_corpus, **stream)
     assert len(_source(cfg).pieces()[0]) > 100
     assert_stage_conforms(lambda s: _source(cfg, s), 7000, midpoints, doc_key)
+
+
+def test_the_first_pieces_read_in_parts_give_the_same_documents_reading_less_ahead(
+    sorted_corpus,
+):
+    """read.ramp_parts (plan.ramp_parts): the first epoch's first pieces are read in parts,
+    their first rows first: the same documents in the same order as whole pieces, two
+    epochs, while the first 2·pieces documents (the interleave's ramp) ask fewer rows read."""
+    delivered = []
+
+    def counting(units, stream, tokenizer):
+        for block in iter_blocks_local(units, stream, tokenizer):
+            delivered[-1] += block.num_rows
+            yield block
+
+    runs = {}
+    for parts in (1, 5):
+        cfg = _cfg(sorted_corpus, repeat=2, read={"ramp_parts": parts})
+        source = DocSource("s", 0, cfg, counting)
+        delivered.append(0)
+        source.start()
+        docs = [doc_key(d) for d in source]
+        ahead = delivered[-1]
+        source = DocSource("s", 0, cfg, counting)
+        delivered.append(0)
+        source.start()
+        for _ in range(2 * cfg.shuffle.pieces):
+            next(source)
+        runs[parts] = docs, delivered[-1]
+        assert delivered[-2] == ahead  # every row read once in the whole run
+    units = _source(_cfg(sorted_corpus)).plan.plan(0, (), 0)[0]
+    assert any(p.take >= 0 for u in units for p in u.pieces)  # the plan has parts
+    assert runs[5][0] == runs[1][0] and len(runs[1][0]) == 2 * (6000 + 38)
+    assert runs[5][1] < 0.6 * runs[1][1], (runs[5][1], runs[1][1])
 
 
 def test_the_window_over_the_interleave_resumes_exactly(sorted_corpus):

@@ -144,6 +144,10 @@ class Piece:
     and export step files: the whole file. `first_record` is the record index of the piece's
     first record. `nbytes` estimates the work, for grouping pieces into read tasks.
     `max_record`: a JSONL line or text file longer than this many bytes is rejected unread.
+    `skip`, `take`: a *part* of the piece: its rows after the first `skip`, at most `take` of
+    them (-1: the rest), counted as `read_piece` yields them, so the parts of a piece hold
+    the rows of the whole piece, in order (the interleave's ramp reads a piece's first rows
+    ahead of the rest: pipeline/stages/plan.py `ramp_parts`). `nbytes` is then the part's.
     """
 
     file_index: int
@@ -155,6 +159,8 @@ class Piece:
     nbytes: int = 0
     meta: dict | None = None
     max_record: int = MAX_RECORD_BYTES  # read.max_record_bytes
+    skip: int = 0
+    take: int = -1
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -38,8 +38,9 @@ same bytes whichever process made it: the output does not depend on the timing. 
 take-over: with a fast engine the local thread finished everything else of a 130 MB cold
 export by 9 s, then the feed waited until 14.3 s for the two back units of Ray Data's workers,
 still starting on the same two cores.)
-Memory is bounded: the local thread stops claiming while `MAX_AHEAD` blocks wait, and the
-executor claims a new run only when fewer than that wait; the back run is `BACK_UNITS` long.
+Memory is bounded: the local thread stops claiming while `MAX_AHEAD` blocks' worth waits (in
+the largest unit's input bytes: small units do not stop it early), and the executor claims a
+new run only when less than that waits; the back run is `BACK_UNITS` long.
 (The idea of splitting one ordered input between a fast local path and remote workers that
 take over once warm is the same as work stealing in any fork-join pool; here the split is
 fixed by claims, never by races on the output.)
@@ -63,7 +64,7 @@ BACK_UNITS = 2  # the executor's warm-up run, from the back
 MIN_UNITS_FOR_EXECUTOR = 4  # fewer units than this: the local thread does them all
 FIRST_RUN_UNITS = 4  # then runs from the front double up to MAX_RUN_UNITS
 MAX_RUN_UNITS = 64
-MAX_AHEAD = 8  # blocks made ahead of the consumer before either side stops claiming
+MAX_AHEAD = 8  # blocks (of the largest unit's bytes) made ahead of the consumer, at most
 # Seconds from an execution's start to its first block, when the executor does not say
 # (`startup_s`): Ray Data's tasks in a job's fresh workers, 3-4 s on a running cluster here
 # and ~7 s on a cold embedded one; the lower end, so the executor is rather started early.
@@ -94,6 +95,7 @@ class HeadStart:
         # Input bytes (Unit.work) before each unit: what is left is a difference, at every
         # wake-up of a waiting executor (every block put) in O(1).
         self._work_before = np.concatenate([[0], np.cumsum([u.work for u in units])])
+        self._largest = max((u.work for u in units), default=1)
         self._local_bytes = 0  # input bytes of the units the local thread made
         self._local_since: float | None = None  # when it claimed its first
         self.startup_s = float(getattr(executor, "startup_s", EXECUTOR_STARTUP_S))
@@ -120,8 +122,12 @@ class HeadStart:
         self._front = min(self._back, a + n)
         return range(a, self._front)
 
-    def _ahead(self) -> int:
-        return sum(1 for i in self._blocks if i >= self._emit)
+    def _ahead(self) -> bool:
+        """Whether `MAX_AHEAD` blocks' worth waits for the consumer: counted in input bytes,
+        as MAX_AHEAD of the largest units, so that small units (the first ones, and the
+        parts of the first pieces: stages/plan.py `ramp_parts`) do not stop the reads early."""
+        waiting = sum(self.units[i].work for i in self._blocks if i >= self._emit)
+        return waiting >= MAX_AHEAD * self._largest
 
     def _take_over(self) -> range:
         """The executor's earliest back unit not yet made, which this process then makes
@@ -154,7 +160,7 @@ class HeadStart:
         _as_nice_as_a_worker()
         while True:
             with self._cond:
-                while not self._stop and not self._warm and self._ahead() >= MAX_AHEAD:
+                while not self._stop and not self._warm and self._ahead():
                     self._cond.wait(0.5)
                 claimed = None if self._stop or self._warm else self._claim_front(1)
                 if claimed is not None and not claimed:
@@ -212,7 +218,7 @@ class HeadStart:
                 if first and len(runs) < 2:  # its workers deliver: start the next run now
                     first = False
                     with self._cond:
-                        while not self._stop and self._ahead() >= MAX_AHEAD:
+                        while not self._stop and self._ahead():
                             self._cond.wait(0.5)
                         claimed = self._claim_front(size)
                     if claimed:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -78,18 +79,29 @@ class Unit:
         return Unit(d["index"], tuple(Piece(**p) for p in d["pieces"]))
 
 
-def group_units(pieces: Iterable[Piece], block_bytes: int, first_block_bytes: int) -> list[Unit]:
-    """Group consecutive pieces into units of about `block_bytes`, ramping up from the first."""
+def group_units(pieces: Iterable[Piece], block_bytes: int, first_block_bytes: int,
+                keys: Iterable | None = None, small: tuple[int, int] = (0, 0)) -> list[Unit]:  # fmt: skip
+    """Group consecutive pieces into units of about `block_bytes`, ramping up from the first.
+    `keys` (one per piece): a unit never holds two pieces of one key (two parts of a piece,
+    stages/plan.py), it ends before the second. `small` = (n, nbytes): the units of the first
+    n pieces hold at most about `nbytes` (where the reads must follow the draws closely)."""
     units: list[Unit] = []
     current: list[Piece] = []
+    held: set = set()
     size = 0
     target = min(first_block_bytes, block_bytes)
-    for p in pieces:
+    keyed = keys if keys is not None else itertools.repeat(None)
+    for k, (p, key) in enumerate(zip(pieces, keyed, strict=False)):
+        if key is not None:
+            if key in held:
+                units.append(Unit(len(units), tuple(current)))
+                current, size, held = [], 0, set()  # not full: the same target next
+            held.add(key)
         current.append(p)
         size += p.work
-        if size >= target:
+        if size >= (min(target, small[1]) if k < small[0] else target):
             units.append(Unit(len(units), tuple(current)))
-            current, size = [], 0
+            current, size, held = [], 0, set()
             target = min(target * 2, block_bytes)
     if current:
         units.append(Unit(len(units), tuple(current)))

@@ -36,7 +36,8 @@ turn into (no bad input may lose good data):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,9 +218,23 @@ def plan_pieces(
 
 def read_piece(piece: Piece, spec) -> Iterator[tuple[int, Any, str | None]]:
     """Every record of `piece` as (record_index, value, error); `spec` is a
-    `formats.ReadSpec` or just the field name. Errors for a whole piece use WHOLE_FILE."""
+    `formats.ReadSpec` or just the field name. Errors for a whole piece use WHOLE_FILE.
+    A part of a piece (`skip`, `take`) is those rows of the whole piece's (a format may pass
+    over the skipped ones without decoding them: `Format.parts`)."""
     if isinstance(spec, str):
         spec = formats.ReadSpec(spec)
+    if piece.skip or piece.take >= 0:
+        stop = None if piece.take < 0 else piece.skip + piece.take
+        rows = _read_piece(piece, spec)
+        try:
+            yield from itertools.islice(rows, piece.skip, stop)
+        finally:
+            rows.close()  # a head part: the file closes here, not when collected
+        return
+    yield from _read_piece(piece, spec)
+
+
+def _read_piece(piece: Piece, spec: formats.ReadSpec) -> Generator[tuple[int, Any, str | None]]:
     access = spec.access
     if not access.storage_options:  # nothing to hide: the records as they come
         try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -407,23 +408,41 @@ class DocSource:
         self._il = il
         units, ords = self.plan.plan(epoch, resumed, p.unit)
         pieces = self._piece_rows(epoch, self._interleaved_blocks(epoch, units), units, ords)
-        ready: dict[int, list] = {}  # pieces read, not yet open (the rest of one unit at most)
+        # Parts of each piece still to read: 1 for a piece read whole; the first pieces of an
+        # epoch's start come in parts (plan.ramp_parts), the first opening the piece.
+        parts = Counter(o for unit_ords in ords for o in unit_ords)
+        # Rows read, not yet handed on: pieces not yet open (the rest of one unit at most) and
+        # parts read ahead (a few units' worth, in the order the draws are expected to need them).
+        ready: dict[int, list] = {}
         slots: dict[int, PieceRows] = {}  # the open pieces' rows
+
+        def rows_of(ordinal: int) -> tuple[list, bool]:
+            """The rows of `ordinal` read and not handed on (reading on until some are), and
+            whether parts of it are still to come."""
+            while ordinal not in ready:
+                got = next(pieces, None)
+                assert got is not None, f"piece {ordinal} of epoch {epoch} was never read"
+                ready.setdefault(got[0], []).extend(got[1])
+                parts[got[0]] -= 1
+            return ready.pop(ordinal), parts[ordinal] > 0
+
         per_backend = c.backend_tokens
         while True:
             want = il.to_open()
             while want is not None:
-                while want not in ready:
-                    got = next(pieces, None)
-                    assert got is not None, f"piece {want} of epoch {epoch} was never read"
-                    ready[got[0]] = got[1]
-                rows = PieceRows(ready.pop(want))
-                drawn = il.opened(want, rows.n)
+                segments, more = rows_of(want)
+                while more and not segments:  # an empty first part: the piece opens on a row
+                    segments, more = rows_of(want)
+                rows = PieceRows(segments)
+                drawn = il.opened(want, rows.n, more)
                 if drawn is not None:  # rows to draw (a resumed piece: after those drawn)
                     slots[want] = rows.skip(drawn)
                 want = il.to_open()
             if il.finished:
                 return
+            while (need := il.needs()) is not None:  # a piece in parts: its next part
+                segments, more = rows_of(need)
+                il.extended(need, slots[need].extend(segments), more)
             next_piece, draws, ords_now, done_now = il.snapshot()
             ordinal, row, last = il.draw()
             batch, i = slots[ordinal].take()

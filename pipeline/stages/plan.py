@@ -6,11 +6,17 @@ settings); the reading itself is documents.py's `DocSource`."""
 
 from __future__ import annotations
 
+import heapq
+from dataclasses import replace
+
+import numpy as np
+
 from pipeline.config import Config
+from pipeline.read import formats
 from pipeline.read.access import WHOLE_FILE, Access, Piece
 from pipeline.read.reading import Unit, group_units
 from pipeline.read.sources import data_files, plan_pieces
-from pipeline.stages.shuffle import file_order, piece_order
+from pipeline.stages.shuffle import OPEN_EVERY, file_order, piece_order
 from pipeline.stages.stage import StateError
 
 
@@ -157,7 +163,7 @@ class StreamPlan:
     ) -> tuple[list[Unit], list[list[int]]]:  # fmt: skip
         """The units that read `epoch` from a position: the open pieces (re-read on a
         resume), then every piece from `next_piece` on; and each unit's piece ordinals."""
-        order, _ = self.order(epoch, keep)
+        order, ends = self.order(epoch, keep)
         late = [o for o, _ in open_pieces if o >= min(next_piece, len(order))]
         if late:
             raise StateError(
@@ -168,9 +174,116 @@ class StreamPlan:
         todo = [o for o, _ in open_pieces] + list(range(next_piece, len(order)))
         read = self.cfg.read
         first = read.first_block_bytes if epoch == 0 else read.block_bytes  # as `units`
-        units = group_units([order[o] for o in todo], read.block_bytes, first)
+        pieces = [order[o] for o in todo]
+        ramp = pieces[: self.cfg.shuffle.pieces]
+        if (
+            epoch == 0 and not open_pieces and next_piece == 0 and read.ramp_parts > 1
+            and sum(p.work for p in ramp) > 2 * first
+        ):  # fmt: skip
+            # The first epoch from its start, whose ramp asks more than its first units: its
+            # first pieces in parts (`ramp_parts`). Later epochs are read ahead of their draws,
+            # a resume re-reads its open pieces whole.
+            todo, pieces = ramp_parts(order, ends, self.cfg.shuffle.pieces, read.ramp_parts)
+            # Up to the last part, units of at most RAMP_UNIT_BYTES: a part is there when its
+            # unit is whole, so a part needed early waits for less.
+            last = max((k for k, p in enumerate(pieces) if p.skip or p.take >= 0), default=-1)
+            small = (last + 1, RAMP_UNIT_BYTES)
+        else:
+            small = (0, 0)
+        units = group_units(pieces, read.block_bytes, first, keys=todo, small=small)
         ords, at = [], 0
         for unit in units:
             ords.append(todo[at : at + len(unit.pieces)])
             at += len(unit.pieces)
         return units, ords
+
+
+RAMP_UNIT_BYTES = 2 << 20  # the read units' size up to the last part (see `plan`)
+RAMP_FIRST = 2  # rows of a ramp piece's first part; each next part is twice the one before
+# Reads are ordered as if each piece's draws ran this many standard deviations ahead of their
+# mean: by the mean alone, on the bench corpus (`python -m bench first-steps`), 1 in 50 parts
+# was needed before its turn, and each such need has the reads run ahead to it.
+RAMP_Z = 2.5
+
+
+def _early(rows: float) -> float:
+    """The expected draws x of a piece by which its draws reach `rows`, `RAMP_Z` standard
+    deviations early: its draws are about Poisson, so x + z·sqrt(x) = rows."""
+    return ((np.sqrt(RAMP_Z * RAMP_Z + 4 * rows) - RAMP_Z) / 2) ** 2
+
+
+def ramp_parts(order: list[Piece], ends: list[int], limit: int,
+               max_parts: int) -> tuple[list[int], list[Piece]]:  # fmt: skip
+    """The pieces of an epoch read from its start, the first `limit` in parts, in the order
+    the interleave's draws need them: (each one's ordinal, the piece or part).
+
+    Why: the interleave opens piece i at draw 2i (shuffle.OPEN_EVERY), so its first `limit`
+    pieces (256 of 256 KiB) open within the first 512 documents, and a piece opens with all
+    its rows: 64 MiB tokenized before the 512th document, where the ranks' first steps take a
+    few MiB (`python -m bench first-steps`: the ranks waited ~40-50% of their first 32 steps).
+    Read in parts, a piece opens with its first rows, the rest come when its draws near them
+    (shuffle.Interleave `needs`), and the draws are the same as with whole pieces.
+
+    The parts of piece i < `limit` hold rows [0, 2), [2, 4), [4, 8), [8, 16), ... of it
+    (`RAMP_FIRST`, each part twice the one before), at most `max_parts`, the last one the
+    rest. A piece of a format that cannot be read in parts cheaply (`Format.parts`), or with
+    no more rows than its first part, is read whole. Each part is placed at the draw by which
+    its first row is drawn, `RAMP_Z` standard deviations early (`_early`): piece i is open
+    from draw 2i, among min(limit, d/2 + 1) open pieces at draw d, one draw in `limit` after
+    the ramp. Each later piece (read whole) is placed where it opens: at the draw by which a
+    piece open before it ends (its last row drawn), and not before its turn (draw 2j). Parts
+    and pieces are read in that order, so the reads keep ahead of the draws by a margin, not
+    by the ramp's pieces whole. A part's work (its bytes, for `group_units`) is its share of
+    the piece's rows; a piece whose row count is unknown (its file's last) is taken to have
+    the known pieces' mean row size.
+
+    What it reads (the 128 MiB bench corpus, 471 pieces, seeds 0-2; the MiB read, in reading
+    order, before the draw that needs them): by draw 100, 5-6 MiB where whole pieces read 14;
+    by draw 200, 10-17 (27-30); by draw 512, 29-49 (71-73). A piece drawn far more often than
+    its mean (1 in a few hundred) still has the reads run ahead to its next part."""
+    n_ramp = min(limit, len(order))
+    opens = np.arange(n_ramp) * OPEN_EVERY  # the draw at which each ramp piece opens
+    n_draws = OPEN_EVERY * n_ramp
+    open_now = np.minimum(n_ramp, np.arange(n_draws) // OPEN_EVERY + 1)
+    h = np.concatenate([[0.0], np.cumsum(1.0 / open_now)])  # draws per open piece, by draw
+
+    def need(i: int, row: int) -> float:
+        """The draw by which ramp piece i's row `row` is drawn (`_early`)."""
+        if row == 0:
+            return float(opens[i])
+        t = h[opens[i]] + _early(row)
+        if t <= h[-1]:
+            return float(np.searchsorted(h, t))
+        return n_draws + (t - h[-1]) * n_ramp
+
+    rows = [
+        e - p.first_record if e != WHOLE_FILE else None for p, e in zip(order, ends, strict=True)
+    ]
+    known = [(p.nbytes, n) for p, n in zip(order, rows, strict=True) if n]
+    mean = sum(b for b, _ in known) / sum(n for _, n in known) if known else 4096.0
+    n_est = [
+        n if n is not None else max(1, round(p.nbytes / mean))
+        for p, n in zip(order, rows, strict=True)
+    ]
+    timed: list[tuple[float, int, Piece]] = []
+    for i in range(n_ramp):
+        p, n = order[i], n_est[i]
+        cuts = [0]  # each part's first row: 0, 2, 4, 8, 16, ...
+        while cuts[-1] < n and len(cuts) < max_parts:
+            cuts.append(cuts[-1] + (RAMP_FIRST << max(0, len(cuts) - 2)))
+        cuts = [c for c in cuts if c < n] + [-1]  # the last part: the rest
+        if len(cuts) == 2 or not formats.get(p.fmt).parts:  # read whole
+            timed.append((need(i, 0), i, p))
+            continue
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            take = -1 if b < 0 else b - a
+            share = (n - a if b < 0 else take) / n
+            part = replace(p, skip=a, take=take, nbytes=max(1, round(p.nbytes * share)))
+            timed.append((need(i, a), i, part))
+    closing = sorted(need(i, n_est[i]) for i in range(n_ramp))  # when each open piece ends
+    for j in range(n_ramp, len(order)):  # each opens as the first open piece ends
+        t = max(heapq.heappop(closing), OPEN_EVERY * j)  # and not before its turn (draw 2j)
+        timed.append((t, j, order[j]))
+        heapq.heappush(closing, t + _early(n_est[j]) * n_ramp)
+    timed.sort(key=lambda t: (t[0], t[1]))
+    return [i for _, i, _ in timed], [p for *_, p in timed]

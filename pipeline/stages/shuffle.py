@@ -117,6 +117,8 @@ class Interleave:
         self.ords: list[int] = []  # open pieces, in the order they opened
         self.done: list[int] = []  # rows drawn, per open piece
         self.left: list[int] = []  # rows left, per open piece
+        self.more: list[bool] = []  # per open piece: rows of it are still to come (`extended`)
+        self._partial = 0  # open pieces with rows still to come
         # Open pieces of a resumed state whose row counts are not known yet, in order.
         self._pending = [(int(o), int(d)) for o, d in open_pieces]
         self._chunk = -1
@@ -133,9 +135,14 @@ class Interleave:
             return None  # the ramp: not yet
         return self.next_piece
 
-    def opened(self, ordinal: int, rows: int) -> int | None:
+    def opened(self, ordinal: int, rows: int, more: bool = False) -> int | None:
         """Piece `ordinal` (what `to_open` named) has `rows` rows. Returns how many of them
-        were drawn before (a resumed piece), or None if it has none left to draw."""
+        were drawn before (a resumed piece), or None if it has none left to draw.
+
+        `more`: these are its first rows (at least one), the rest are still to be read; the
+        caller reads them when `needs` names the piece and gives them to `extended`. Only the
+        ends of pieces and the last phase's weights depend on the row counts, so the draws
+        are the same as with the whole count given here."""
         if self._pending:
             _, drawn = self._pending.pop(0)
             if drawn >= rows:
@@ -151,8 +158,30 @@ class Interleave:
         self.ords.append(ordinal)
         self.done.append(drawn)
         self.left.append(rows - drawn)
+        self.more.append(more)
+        self._partial += more
         self._ords = None
         return drawn
+
+    def needs(self) -> int | None:
+        """An open piece whose further rows must be given (`extended`) before the next draw,
+        or None. While pieces remain to open, the piece the next draw picks if that draw
+        could take its last row known so far; after that, every piece with rows to come
+        (the draws weigh the rows left)."""
+        if not self._partial:
+            return None
+        if self.next_piece < self.n_pieces:
+            s = self._uniform_pick(self._u(self.draws))
+            return self.ords[s] if self.more[s] and self.left[s] <= 1 else None
+        return next(o for o, more in zip(self.ords, self.more, strict=True) if more)
+
+    def extended(self, ordinal: int, rows: int, more: bool) -> None:
+        """Open piece `ordinal` has `rows` rows more; `more`: and rows after those."""
+        s = self.ords.index(ordinal)
+        self.left[s] += rows
+        if not more and self.more[s]:
+            self.more[s] = False
+            self._partial -= 1
 
     @property
     def finished(self) -> bool:
@@ -184,7 +213,7 @@ class Interleave:
         pieces remain to open, then proportional to the rows they have left (module, 2)."""
         u = self._u(self.draws)
         if self.next_piece < self.n_pieces:
-            s = min(int(u * len(self.ords)), len(self.ords) - 1)
+            s = self._uniform_pick(u)
         else:
             total = sum(self.left)
             pick = min(int(u * total), total - 1)
@@ -195,23 +224,37 @@ class Interleave:
         self.left[s] -= 1
         last = self.left[s] == 0
         if last:
-            del self.ords[s], self.done[s], self.left[s]
+            assert not self.more[s], f"piece {ordinal} drawn past its rows known (see needs)"
+            del self.ords[s], self.done[s], self.left[s], self.more[s]
             self._ords = None
         return ordinal, row, last
+
+    def _uniform_pick(self, u: float) -> int:
+        return min(int(u * len(self.ords)), len(self.ords) - 1)
 
 
 # -- an open piece's rows (what the DocSource reads into the interleave) ----------------------
 
 
 class PieceRows:
-    """An open piece's rows, [(batch, first, stop)], taken one at a time in order."""
+    """An open piece's rows, [(batch, first, stop)], taken one at a time in order; a piece
+    read in parts gets its later rows by `extend`."""
 
     __slots__ = ("segments", "n", "_seg", "_row")
 
     def __init__(self, segments: list):
-        self.segments = segments
+        self.segments = list(segments)
         self.n = sum(z - a for _, a, z in segments)
         self._seg, self._row = 0, segments[0][1] if segments else 0
+
+    def extend(self, segments: list) -> int:
+        """Append rows (the piece's next part); returns how many."""
+        if not self.segments and segments:
+            self._row = segments[0][1]
+        self.segments += segments
+        added = sum(z - a for _, a, z in segments)
+        self.n += added
+        return added
 
     def skip(self, k: int) -> PieceRows:
         for _ in range(k):
@@ -220,11 +263,11 @@ class PieceRows:
 
     def take(self) -> tuple[Any, int]:
         batch, _, stop = self.segments[self._seg]
+        if self._row == stop:  # this segment is used up: the next one (perhaps extended since)
+            self._seg += 1
+            batch, self._row, stop = self.segments[self._seg]
         i = self._row
         self._row += 1
-        if self._row == stop and self._seg + 1 < len(self.segments):
-            self._seg += 1
-            self._row = self.segments[self._seg][1]
         return batch, i
 
 

@@ -55,6 +55,12 @@ class Format:
     metadata: tuple[str, ...] = ()  # file names of this format that hold no records
     pretokenized: bool = False  # records are whole token documents (a tokenmill export)
     dir_order: bool = False  # a recognized directory's files keep `expand`'s order (not sorted)
+    # A piece can be read in parts (Piece.skip/take) at little more than the part's own cost:
+    # the records before a part are passed over, not decoded again (JSONL), or the piece's
+    # decode is cheap beside tokenizing its records (a Parquet row group, Arrow batches). The
+    # interleave's ramp then reads a piece's first rows ahead of the rest (stages/plan.py);
+    # one record per piece (text) or pre-tokenized records (export) gain nothing from it.
+    parts: bool = False
 
     def claims(self, name: str) -> bool:
         """Whether a file name (lower case, no directory) says this format."""

@@ -41,6 +41,7 @@ _FILE_STREAM_AT = 8  # the file format's stream begins after the magic and its p
 class Arrow(Format):
     name = "arrow"
     extensions = (".arrow",)
+    parts = True
     metadata = (STATE, INFO, DICT)
     dir_order = True
 

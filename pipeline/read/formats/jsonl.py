@@ -24,6 +24,7 @@ _CHUNK = 1 << 20  # bytes read at a time: memory per reader is this plus one rec
 class Jsonl(Format):
     name = "jsonl"
     extensions = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2")
+    parts = True
 
     def plan_file(self, fi, path, size, piece_bytes, max_record, access):
         try:
@@ -181,7 +182,11 @@ def _read_jsonl(piece: Piece, field: str, access: Access, tokens: bool = False):
             raise PieceError(f"unreadable file: {type(e).__name__}: {e}") from e
         limit = -1 if piece.end < 0 else piece.end - piece.start
         lines = _lines(f, limit, piece.max_record, detect_cr=piece.start == 0)
+        skip = piece.first_record + piece.skip  # a part: the lines before it, undecoded
         for rec, (raw, bad) in enumerate(lines, piece.first_record):
+            if rec < skip:
+                yield rec, None, None  # dropped by read_piece, which counts it
+                continue
             if raw is None:
                 yield rec, None, bad
                 continue

@@ -15,6 +15,7 @@ from pipeline.read.formats._columns import column_records
 class Parquet(Format):
     name = "parquet"
     extensions = (".parquet", ".pq")
+    parts = True
 
     def plan_file(self, fi, path, size, piece_bytes, max_record, access):
         return _row_groups(fi, path, size, access)
