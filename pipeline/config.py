@@ -276,11 +276,13 @@ class ReadConfig(_Frozen):
 
     max_in_flight: int = Field(default=0, ge=0)  # 0: 2 x the cluster's CPUs
     # With interleaved pieces: the first `shuffle.pieces` pieces of the first epoch are read
-    # in up to this many parts each, their first rows ahead of the rest, so the first steps
-    # ask about twice their own tokens tokenized, not all of those pieces' (stages/plan.py
-    # `ramp_parts`). 1: whole pieces. The same documents in the same order either way, so not
-    # in the config hash.
-    ramp_parts: int = Field(default=5, ge=1)
+    # in up to this many parts each, their first rows ahead of the rest, so that the first
+    # steps ask a few times their own tokens tokenized, not all of those pieces'
+    # (stages/plan.py `ramp_parts`). 1: whole pieces. None (the default): 5 where ranks wait
+    # on the first steps (`serve`, a Feed), 1 in `export`, which wants throughput: there the
+    # parts' re-reads and smaller units cost ~9% CPU on a 128 MiB export. The same documents
+    # in the same order either way, so not in the config hash.
+    ramp_parts: int | None = Field(default=None, ge=1)
     # A JSONL record (line) or text-format file longer than this is a counted reject, read
     # past without being held: one huge line (a decompression bomb, a file without line
     # endings) cannot exhaust memory.

@@ -281,6 +281,8 @@ def run_export(
     `leave_out`: documents to leave out from the first step written on.
     """
     _check_export(cfg, world_size, layout)
+    if cfg.read.ramp_parts is None:  # whole pieces: an export wants throughput (config.py)
+        cfg = cfg.model_copy(update={"read": cfg.read.model_copy(update={"ramp_parts": 1})})
     started = process_started() if started is None else started
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

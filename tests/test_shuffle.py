@@ -176,6 +176,30 @@ def test_the_first_pieces_read_in_parts_give_the_same_documents_reading_less_ahe
     assert runs[5][1] < 0.6 * runs[1][1], (runs[5][1], runs[1][1])
 
 
+def test_an_export_reads_whole_pieces_and_a_feed_parts(sorted_corpus, tmp_path):
+    """read.ramp_parts unset: parts where ranks wait on the first steps (a feed), whole pieces
+    in `export` (throughput); the same rows either way."""
+    seen: dict[str, list] = {"export": [], "feed": []}
+
+    def noting(name):
+        def executor(units, stream, tokenizer):
+            seen[name] += [p for u in units for p in u.pieces]
+            yield from iter_blocks_local(units, stream, tokenizer)
+
+        return executor
+
+    cfg = _cfg(sorted_corpus)
+    run_export(cfg, tmp_path / "out", steps=8, executor=noting("export"))
+    feed = StepFeed(cfg, executor=noting("feed"))
+    rows = [feed.next_step() for _ in range(8)]
+    assert seen["export"] and all(p.skip == 0 and p.take < 0 for p in seen["export"])
+    assert any(p.take >= 0 for p in seen["feed"])
+    exported = sorted((tmp_path / "out").glob("step-*.parquet"))
+    assert len(exported) == 8
+    for step, path in zip(rows, exported, strict=True):
+        assert pq.read_table(path)["input_ids"].to_pylist() == step["input_ids"].to_pylist()
+
+
 def test_the_window_over_the_interleave_resumes_exactly(sorted_corpus):
     cfg = _cfg(sorted_corpus)
 

@@ -176,14 +176,15 @@ class StreamPlan:
         first = read.first_block_bytes if epoch == 0 else read.block_bytes  # as `units`
         pieces = [order[o] for o in todo]
         ramp = pieces[: self.cfg.shuffle.pieces]
+        parts = RAMP_PARTS if read.ramp_parts is None else read.ramp_parts
         if (
-            epoch == 0 and not open_pieces and next_piece == 0 and read.ramp_parts > 1
+            epoch == 0 and not open_pieces and next_piece == 0 and parts > 1
             and sum(p.work for p in ramp) > 2 * first
         ):  # fmt: skip
             # The first epoch from its start, whose ramp asks more than its first units: its
             # first pieces in parts (`ramp_parts`). Later epochs are read ahead of their draws,
             # a resume re-reads its open pieces whole.
-            todo, pieces = ramp_parts(order, ends, self.cfg.shuffle.pieces, read.ramp_parts)
+            todo, pieces = ramp_parts(order, ends, self.cfg.shuffle.pieces, parts)
             # Up to the last part, units of at most RAMP_UNIT_BYTES: a part is there when its
             # unit is whole, so a part needed early waits for less.
             last = max((k for k, p in enumerate(pieces) if p.skip or p.take >= 0), default=-1)
@@ -198,6 +199,7 @@ class StreamPlan:
         return units, ords
 
 
+RAMP_PARTS = 5  # read.ramp_parts's default where ranks wait (config.py)
 RAMP_UNIT_BYTES = 2 << 20  # the read units' size up to the last part (see `plan`)
 RAMP_FIRST = 2  # rows of a ramp piece's first part; each next part is twice the one before
 # Reads are ordered as if each piece's draws ran this many standard deviations ahead of their
