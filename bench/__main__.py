@@ -37,6 +37,7 @@ PROBES = {
     "reading": ("reading", "reading pre-tokenized input on one core, against fastokens"),
     "verify-cost": ("verify_cost", "what the HF check costs the fast engine, by document size"),
     "lane-profile": ("lane_profile", "where one lane's CPU goes: py-spy samples, callgrind counts"),
+    "ramp-reads": ("ramp_reads", "the input read before each draw of the first epoch's ramp"),
 }
 SUBCOMMANDS = BENCHES | PROBES
 

@@ -165,3 +165,7 @@ def test_a_piece_read_in_parts_gives_its_rows_in_order_in_every_format(tmp_path)
                 got += list(read_piece(part, "text"))
             assert got == whole, (fmt, cuts)
     assert not formats.get("text").parts and not formats.get("export").parts
+    jsonl = formats.get("jsonl")
+    assert jsonl.reads_in_parts(dataclasses.replace(piece, path="d.jsonl"))
+    for name in ("d.jsonl.gz", "d.jsonl.zst", "d.jsonl.bz2"):  # each part would decompress
+        assert not jsonl.reads_in_parts(dataclasses.replace(piece, path=name))

@@ -4,6 +4,7 @@ file order on request, and a quality test that the shuffle before it fails."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -327,3 +328,38 @@ def test_ray_workers_and_the_head_start_give_the_in_process_order(ray_cluster, s
         assert (tmp_path / "ray" / name).read_bytes() == local, step
         if step >= 4:
             assert (tmp_path / "resumed" / name).read_bytes() == local, step
+
+
+def test_the_ramp_keeps_an_empty_piece_and_gives_a_failed_piece_its_own_error(tmp_path):
+    """plan.ramp_parts with a piece of no rows (an empty Parquet row group) keeps it; a part
+    whose piece cannot be read any more yields the whole-piece error, not nothing; and that
+    error goes to its own piece, whatever piece of its file came before it in the unit."""
+    from types import SimpleNamespace
+
+    from pipeline.read.access import WHOLE_FILE, Piece
+    from pipeline.read.sources import plan_pieces, read_piece
+    from pipeline.stages.plan import ramp_parts
+    from pipeline.stages.shuffle import by_piece
+
+    order = [Piece(0, "f", "parquet", first_record=r, start=i, nbytes=1000)
+             for i, r in enumerate((0, 40, 40, 80))]  # fmt: skip
+    ends = [40, 40, 80, WHOLE_FILE]  # piece 1 has no rows
+    todo, pieces = ramp_parts(order, ends, 4, 5)
+    assert sorted(set(todo)) == [0, 1, 2, 3] and todo.count(1) == 1
+    assert any(p.take >= 0 for p in pieces)
+
+    path = tmp_path / "gone.jsonl"
+    path.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(10)))
+    [[piece]] = plan_pieces([str(path)], "jsonl", piece_bytes=1 << 20)
+    part = dataclasses.replace(piece, skip=4, take=4)
+    assert [r[0] for r in read_piece(part, "text")] == [4, 5, 6, 7]
+    path.unlink()
+    [(rec, value, err)] = list(read_piece(part, "text"))
+    assert rec == WHOLE_FILE and value is None and "unreadable" in err
+
+    # parts of pieces 0 and 1 of one file in one unit: rows of piece 0, then piece 1's error
+    ids = np.array([5, 6, WHOLE_FILE], dtype=np.uint64) | np.uint64(0)
+    batch = SimpleNamespace(ids=ids)
+    two = [Piece(0, "f", "jsonl", first_record=0), Piece(0, "f", "jsonl", first_record=10)]
+    got = dict(by_piece([0, 1], [(batch, 0, 3)], two, [10, WHOLE_FILE]))
+    assert got == {0: [(batch, 0, 2)], 1: [(batch, 2, 3)]}

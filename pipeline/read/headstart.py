@@ -39,8 +39,8 @@ take-over: with a fast engine the local thread finished everything else of a 130
 export by 9 s, then the feed waited until 14.3 s for the two back units of Ray Data's workers,
 still starting on the same two cores.)
 Memory is bounded: the local thread stops claiming while `MAX_AHEAD` blocks' worth waits (in
-the largest unit's input bytes: small units do not stop it early), and the executor claims a
-new run only when less than that waits; the back run is `BACK_UNITS` long.
+a large unit's input bytes, the 90th percentile: small units do not stop it early), and the
+executor claims a new run only when less than that waits; the back run is `BACK_UNITS` long.
 (The idea of splitting one ordered input between a fast local path and remote workers that
 take over once warm is the same as work stealing in any fork-join pool; here the split is
 fixed by claims, never by races on the output.)
@@ -64,7 +64,7 @@ BACK_UNITS = 2  # the executor's warm-up run, from the back
 MIN_UNITS_FOR_EXECUTOR = 4  # fewer units than this: the local thread does them all
 FIRST_RUN_UNITS = 4  # then runs from the front double up to MAX_RUN_UNITS
 MAX_RUN_UNITS = 64
-MAX_AHEAD = 8  # blocks (of the largest unit's bytes) made ahead of the consumer, at most
+MAX_AHEAD = 8  # blocks (of a large unit's bytes) made ahead of the consumer, at most
 # Seconds from an execution's start to its first block, when the executor does not say
 # (`startup_s`): Ray Data's tasks in a job's fresh workers, 3-4 s on a running cluster here
 # and ~7 s on a cold embedded one; the lower end, so the executor is rather started early.
@@ -95,7 +95,10 @@ class HeadStart:
         # Input bytes (Unit.work) before each unit: what is left is a difference, at every
         # wake-up of a waiting executor (every block put) in O(1).
         self._work_before = np.concatenate([[0], np.cumsum([u.work for u in units])])
-        self._largest = max((u.work for u in units), default=1)
+        # A unit's size for MAX_AHEAD: the 90th percentile, so that one outsized unit (a
+        # piece that cannot be cut: a compressed file, a large row group) does not raise the
+        # bound for all the others.
+        self._largest = float(np.quantile([u.work for u in units], 0.9)) if units else 1.0
         self._local_bytes = 0  # input bytes of the units the local thread made
         self._local_since: float | None = None  # when it claimed its first
         self.startup_s = float(getattr(executor, "startup_s", EXECUTOR_STARTUP_S))
@@ -124,7 +127,7 @@ class HeadStart:
 
     def _ahead(self) -> bool:
         """Whether `MAX_AHEAD` blocks' worth waits for the consumer: counted in input bytes,
-        as MAX_AHEAD of the largest units, so that small units (the first ones, and the
+        as MAX_AHEAD of the large units (`_largest`), so that small units (the first ones, and the
         parts of the first pieces: stages/plan.py `ramp_parts`) do not stop the reads early."""
         waiting = sum(self.units[i].work for i in self._blocks if i >= self._emit)
         return waiting >= MAX_AHEAD * self._largest

@@ -36,7 +36,6 @@ turn into (no bad input may lose good data):
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
@@ -224,14 +223,31 @@ def read_piece(piece: Piece, spec) -> Iterator[tuple[int, Any, str | None]]:
     if isinstance(spec, str):
         spec = formats.ReadSpec(spec)
     if piece.skip or piece.take >= 0:
-        stop = None if piece.take < 0 else piece.skip + piece.take
-        rows = _read_piece(piece, spec)
-        try:
-            yield from itertools.islice(rows, piece.skip, stop)
-        finally:
-            rows.close()  # a head part: the file closes here, not when collected
+        yield from _read_part(piece, spec)
         return
     yield from _read_piece(piece, spec)
+
+
+def _read_part(piece: Piece, spec: formats.ReadSpec) -> Iterator[tuple[int, Any, str | None]]:
+    """Rows [skip, skip + take) of the piece's. A whole-piece error among the rows passed
+    over (the piece could not be read up to the part: a file gone or unreadable since it was
+    planned, a storage error) is the part's one row, never dropped: the rows it held are lost,
+    and that is reported (a piece unreadable from its start has its first part fail the
+    same way, so it reports once per part)."""
+    stop = None if piece.take < 0 else piece.skip + piece.take
+    rows = _read_piece(piece, spec)
+    try:
+        for k, row in enumerate(rows):
+            if k < piece.skip:
+                if row[0] == WHOLE_FILE and row[2] is not None:
+                    yield row
+                    return
+                continue
+            yield row
+            if stop is not None and k + 1 >= stop:
+                return
+    finally:
+        rows.close()  # a head part: the file closes here, not when collected
 
 
 def _read_piece(piece: Piece, spec: formats.ReadSpec) -> Generator[tuple[int, Any, str | None]]:

@@ -228,8 +228,8 @@ def ramp_parts(order: list[Piece], ends: list[int], limit: int,
 
     The parts of piece i < `limit` hold rows [0, 2), [2, 4), [4, 8), [8, 16), ... of it
     (`RAMP_FIRST`, each part twice the one before), at most `max_parts`, the last one the
-    rest. A piece of a format that cannot be read in parts cheaply (`Format.parts`), or with
-    no more rows than its first part, is read whole. Each part is placed at the draw by which
+    rest. A piece that cannot be read in parts cheaply (`Format.reads_in_parts`), or with no
+    more rows than its first part, is read whole. Each part is placed at the draw by which
     its first row is drawn, `RAMP_Z` standard deviations early (`_early`): piece i is open
     from draw 2i, among min(limit, d/2 + 1) open pieces at draw d, one draw in `limit` after
     the ramp. Each later piece (read whole) is placed where it opens: at the draw by which a
@@ -274,7 +274,7 @@ def ramp_parts(order: list[Piece], ends: list[int], limit: int,
         while cuts[-1] < n and len(cuts) < max_parts:
             cuts.append(cuts[-1] + (RAMP_FIRST << max(0, len(cuts) - 2)))
         cuts = [c for c in cuts if c < n] + [-1]  # the last part: the rest
-        if len(cuts) == 2 or not formats.get(p.fmt).parts:  # read whole
+        if len(cuts) <= 2 or not formats.get(p.fmt).reads_in_parts(p):  # read whole (or empty)
             timed.append((need(i, 0), i, p))
             continue
         for a, b in zip(cuts, cuts[1:], strict=False):

@@ -277,8 +277,11 @@ def by_piece(ords: list[int], parts: list, order: list[Piece], ends: list[int]):
 
     A row's piece is the one of its file whose records [first_record, end) hold its record
     (vectorized, one comparison per piece of the unit); a whole-piece error (WHOLE_FILE) goes
-    to the piece of the row before it if that is of its file, else to the next piece of its
-    file. Pieces are read in order, so the rows' pieces never go back."""
+    to the first piece of its file, from the piece of the row before it on, that has no row
+    yet (the piece whose read failed gives just that row), else to the first of its file from
+    there. Pieces are read in order, so the rows' pieces never go back. (The rule looks only
+    at the unit's pieces and rows, so a failed piece gets its own error however the pieces
+    are grouped into units: whole, or in parts, plan.ramp_parts.)"""
     out: dict[int, list] = {o: [] for o in ords}
     files = [order[o].file_index for o in ords]
     k = 0  # the piece of the last row seen (its index in `ords`)
@@ -289,10 +292,14 @@ def by_piece(ords: list[int], parts: list, order: list[Piece], ends: list[int]):
         for j, o in enumerate(ords):
             hit = (fi == files[j]) & (rec >= order[o].first_record) & (rec < ends[o])
             which[hit] = j
-        for i in np.flatnonzero(rec == WHOLE_FILE).tolist():
+        whole = np.flatnonzero(rec == WHOLE_FILE).tolist()
+        seen = {j for j, o in enumerate(ords) if out[o]} if whole else set()
+        for i in whole:
             before = int(which[i - 1]) if i else k
             same = [j for j in range(before, len(ords)) if files[j] == fi[i]]
-            which[i] = same[0] if same else -1
+            had = seen | {int(w) for w in which[:i]}
+            fresh = [j for j in same if j not in had]
+            which[i] = fresh[0] if fresh else same[0] if same else -1
         if (which < 0).any() or which[0] < k or (np.diff(which) < 0).any():
             bad = int(np.flatnonzero(which < 0)[0]) if (which < 0).any() else 0
             raise ValueError(

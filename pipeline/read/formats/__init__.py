@@ -62,6 +62,11 @@ class Format:
     # one record per piece (text) or pre-tokenized records (export) gain nothing from it.
     parts: bool = False
 
+    def reads_in_parts(self, piece: Piece) -> bool:
+        """Whether this piece can be read in parts at little more than their own cost
+        (`parts`; JSONL: not a compressed file, which each part would decompress again)."""
+        return self.parts
+
     def claims(self, name: str) -> bool:
         """Whether a file name (lower case, no directory) says this format."""
         return name.endswith(self.extensions)

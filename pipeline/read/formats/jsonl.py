@@ -19,12 +19,16 @@ from pipeline.read.formats import Format, ReadSpec
 from pipeline.read.formats._columns import bool_ids
 
 _CHUNK = 1 << 20  # bytes read at a time: memory per reader is this plus one record
+_COMPRESSED = (".gz", ".zst", ".bz2")  # read whole, as one piece (and never in parts)
 
 
 class Jsonl(Format):
     name = "jsonl"
     extensions = (".jsonl", ".ndjson", ".json", ".jsonl.gz", ".jsonl.zst", ".jsonl.bz2")
     parts = True
+
+    def reads_in_parts(self, piece: Piece) -> bool:
+        return not piece.path.endswith(_COMPRESSED)
 
     def plan_file(self, fi, path, size, piece_bytes, max_record, access):
         try:
@@ -52,7 +56,7 @@ def jsonl_pieces(
     Compressed files and files whose lines end in a bare CR are read whole, as one piece.
     """
     whole = [Piece(fi, path, "jsonl", 0, 0, -1, size, max_record=max_record)]
-    if size <= piece_bytes or path.endswith((".gz", ".zst", ".bz2")):
+    if size <= piece_bytes or path.endswith(_COMPRESSED):
         return whole
     pieces, start, first, lines, pos = [], 0, 0, 0, 0
     next_cut = piece_bytes
