@@ -15,7 +15,8 @@ import pytest
 from pipeline.feed import StepFeed
 from pipeline.read.reading import iter_blocks_local
 from pipeline.read.resolve import parse_config
-from pipeline.stages.documents import OPEN, DocSource
+from pipeline.stages.documents import DocSource
+from pipeline.stages.positions import OPEN
 from pipeline.stages.shuffle import Interleave, WindowShuffle
 from service.export import run_export
 from tests.conformance import assert_resume_conforms, assert_stage_conforms, doc_key

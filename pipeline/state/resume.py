@@ -56,9 +56,9 @@ from pipeline.stages import documents as doc_keys
 from pipeline.stages import mixing as mixing_keys
 from pipeline.stages import packing as packing_keys
 from pipeline.stages import shuffle as shuffle_keys
-from pipeline.stages.documents import SourcePos
 from pipeline.stages.packing import PackCounters
 from pipeline.stages.policy import LOSSES as POLICY_LOSSES
+from pipeline.stages.positions import SourcePos
 from pipeline.stages.stage import StateError as StateError  # re-exported: its usual home
 from wire.protocol import is_int
 
