@@ -43,11 +43,17 @@ np.savez(out, ids=np.stack([np.stack(got[r]) for r in range(world)]))
 """
 
 
-def make_cfg(tmp_path, G=4, L=64, lanes=1):
+def make_cfg(tmp_path, G=4, L=64, lanes=1, **extra):
     write_jsonl(tmp_path / "a.jsonl", stdlib_texts(40, max_bytes=3000))
     return parse_config({"seed": 7, "seq_len": L, "global_batch_size": G, "shuffle": {"window": 4},
                          "streams": {"a": {"paths": [str(tmp_path / "a.jsonl")]}},
-                         **({"lanes": lanes} if lanes > 1 else {})})  # fmt: skip
+                         **({"lanes": lanes} if lanes > 1 else {}), **extra})  # fmt: skip
+
+
+# Small pieces and units, so that the first epoch's ramp reads its pieces in parts
+# (stages/plan.py `ramp_parts`) in the service, where an export reads them whole.
+RAMP_IN_PARTS = {"shuffle": {"window": 4, "piece_bytes": 16384, "pieces": 8},
+                 "read": {"first_block_bytes": 16384}}  # fmt: skip
 
 
 @pytest.fixture
@@ -107,8 +113,13 @@ def assert_equal_to_export(got: dict[int, list], want: dict, steps: int):
 
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_late_out_of_order_ranks_with_accumulation_equal_the_export(served, tmp_path, lanes):
-    """With lanes too: the lanes keep every step the late rank has not taken."""
-    cfg = make_cfg(tmp_path, lanes=lanes)
+    """With lanes too: the lanes keep every step the late rank has not taken. The service
+    reads the ramp's pieces in parts, the export whole: the same rows."""
+    from pipeline.stages.plan import StreamPlan
+
+    cfg = make_cfg(tmp_path, lanes=lanes, **RAMP_IN_PARTS)
+    plans = [StreamPlan("a", cfg, lane, lanes).plan(0, (), 0)[0] for lane in range(lanes)]
+    assert all(any(p.take >= 0 for u in units for p in u.pieces) for units in plans)
     steps = 10
     name = f"late{os.getpid()}"
     actor = served(cfg, name, prefetch=2)
