@@ -21,9 +21,11 @@ Three layers, each cheap to resume:
    shards, then spread each shard's samples over a block of the output), with a fixed number
    of open pieces instead of a block of samples, so the memory is bounded by pieces, not by
    samples. Piece i of an epoch opens no earlier than draw `OPEN_EVERY`·i: the first
-   documents of an epoch wait for a few pieces, not for `shuffle.pieces` of them. State: the
-   next piece to open, the draw count and, per open piece, how many of its rows were drawn;
-   a resume re-reads the open pieces.
+   documents of an epoch wait for a few pieces, not for `shuffle.pieces` of them; and the
+   first epoch's ramp gives a piece its rows in parts, first rows first (`needs`: the next
+   part before a draw could take the last row given; stages/plan.py `ramp_parts`), so the
+   ramp does not ask its pieces whole. State: the next piece to open, the draw count and,
+   per open piece, how many of its rows were drawn; a resume re-reads the open pieces.
 
    Why this many: a 5% window that mixes M pieces of a corpus sorted by 10 sources has a top
    share of about 0.1 + 2·sqrt(0.09/M) in its worst window, so 0.15 takes M of a few hundred
