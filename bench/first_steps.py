@@ -189,7 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutdown(started)
         if made:
-            shutil.rmtree(made, ignore_errors=True)
+            # Ray's last processes may still write there for a moment after the shutdown (a
+            # run with Ray Data left the folder once): try again for a few seconds.
+            for _ in range(10):
+                shutil.rmtree(made, ignore_errors=True)
+                if not os.path.exists(made):
+                    break
+                time.sleep(0.5)
 
 
 def _measure(args: argparse.Namespace) -> int:
