@@ -127,8 +127,9 @@ class HeadStart:
 
     def _ahead(self) -> bool:
         """Whether `MAX_AHEAD` blocks' worth waits for the consumer: counted in input bytes,
-        as MAX_AHEAD of the large units (`_largest`), so that small units (the first ones, and the
-        parts of the first pieces: stages/plan.py `ramp_parts`) do not stop the reads early."""
+        as MAX_AHEAD of the large units (`_largest`), so that small units (the first ones,
+        and the parts of the first pieces: stages/plan.py `ramp_parts`) do not stop the
+        reads early."""
         waiting = sum(self.units[i].work for i in self._blocks if i >= self._emit)
         return waiting >= MAX_AHEAD * self._largest
 

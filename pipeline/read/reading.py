@@ -80,7 +80,8 @@ class Unit:
 
 
 def group_units(pieces: Iterable[Piece], block_bytes: int, first_block_bytes: int,
-                keys: Iterable | None = None, small: tuple[int, int] = (0, 0)) -> list[Unit]:  # fmt: skip
+                keys: Iterable | None = None,
+                small: tuple[int, int] = (0, 0)) -> list[Unit]:  # fmt: skip
     """Group consecutive pieces into units of about `block_bytes`, ramping up from the first.
     `keys` (one per piece): a unit never holds two pieces of one key (two parts of a piece,
     stages/plan.py), it ends before the second. `small` = (n, nbytes): the units of the first
